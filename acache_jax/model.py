@@ -1,0 +1,190 @@
+"""The bidirectional transformer of the LLaDA and Dream families, in Flax NNX.
+
+One network serves both: pre-norm blocks with RMSNorm (fp32), RoPE (rotate-half), MHA or GQA with
+optional q/k/v bias, a SwiGLU MLP and an untied LM head. Dream's logit shift is a property of the
+config. The single `__call__` is what every cache policy uses: it computes the tokens it is given
+at explicit positions, reads any other keys from an external `KVView`, and returns the K (before
+RoPE) and V it computed so callers can cache them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from acache_jax.attention import KVView, attend
+from acache_jax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardOutput:
+    logits: jax.Array | None  # [B, Tl, V] float32, Tl = T or len(logit_index)
+    k: jax.Array  # [layers, B, T, kv_heads, head_dim] keys of the computed tokens, before RoPE
+    v: jax.Array  # [layers, B, T, kv_heads, head_dim]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: Any):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of PyTorch's layout)."""
+
+    def __init__(self, d_in: int, d_out: int, bias: bool, dtype: Any, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), dtype) * d_in**-0.5)
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = x @ self.kernel[...]
+        return y + self.bias[...] if self.bias is not None else y
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q = Linear(d, cfg.num_heads * hd, cfg.qkv_bias, dtype, rngs)
+        self.k = Linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs)
+        self.v = Linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs)
+        self.o = Linear(cfg.num_heads * hd, d, False, dtype, rngs)
+        self.cfg = cfg
+
+    def __call__(self, x, positions, valid, kv, layer):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        q = self.q(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = self.k(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        out = attend(q, k, v, positions, valid, kv, layer, cfg.rope_theta)
+        return self.o(out.reshape(b, t, -1)), k, v
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
+        self.gate = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
+        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, positions, valid, kv, layer):
+        h, k, v = self.attn(self.attn_norm(x), positions, valid, kv, layer)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x)), k, v
+
+
+class Transformer(nnx.Module):
+    """Random-initialised network; `acache_jax.load` fills it with checkpoint weights."""
+
+    def __init__(self, cfg: ModelConfig, dtype: Any = jnp.float32, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+
+    def __call__(
+        self,
+        token_ids: jax.Array,
+        positions: jax.Array,
+        *,
+        valid: jax.Array | None = None,
+        kv: KVView | None = None,
+        logit_index: jax.Array | None = None,
+        with_logits: bool = True,
+    ) -> ForwardOutput:
+        """Forward over the given tokens.
+
+        token_ids, positions: [B, T] int; valid: [B, T] bool, whether each token may be attended to
+        as a key (padding: False; default all True); kv: keys/values to attend to in addition;
+        logit_index: [B, Tl] indices into the T axis where logits are wanted (default: all).
+        Dream's shift is along the T axis of this call: logits at index j come from index j-1
+        (index 0 keeps its own), exactly as upstream shifts the logits of whatever it computed.
+        """
+        if valid is None:
+            valid = jnp.ones(token_ids.shape, bool)
+        x = jnp.take(self.embed[...], token_ids, axis=0)
+        ks, vs = [], []
+        # A Python loop, unrolled under jit: a scan over stacked layers copies each layer's
+        # weights through dynamic slices, which doubles the latency of small decode forwards.
+        for layer, block in enumerate(self.layers):
+            x, k, v = block(x, positions, valid, kv, layer)
+            ks.append(k)
+            vs.append(v)
+        logits = None
+        if with_logits:
+            idx = logit_index
+            if self.cfg.logit_shift:
+                if idx is None:
+                    idx = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
+                idx = jnp.maximum(idx - 1, 0)
+            if idx is not None:
+                x = jnp.take_along_axis(x, idx[..., None], axis=1)
+            h = self.final_norm(x)
+            logits = jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return ForwardOutput(logits, jnp.stack(ks), jnp.stack(vs))
+
+
+def abstract_transformer(cfg: ModelConfig, dtype: Any) -> Transformer:
+    """The network's structure with shape-only leaves (no memory), to be filled from a checkpoint."""
+    return nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, positions: jax.Array,
+            **kwargs: Any) -> ForwardOutput:
+    """Pure-function form of `Transformer.__call__` for use inside jitted code."""
+    return nnx.merge(graphdef, params)(token_ids, positions, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded model: config, network structure, weights and (if shipped) tokenizer."""
+
+    config: ModelConfig
+    graphdef: nnx.GraphDef
+    params: nnx.State
+    tokenizer: Any = None
+
+    @classmethod
+    def from_module(cls, module: Transformer, tokenizer: Any = None) -> Model:
+        graphdef, params = nnx.split(module)
+        return cls(module.cfg, graphdef, params, tokenizer)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.params["embed"][...].dtype
+
+    def forward(self, token_ids: jax.Array, positions: jax.Array, **kwargs: Any) -> ForwardOutput:
+        return _jit_forward(self.graphdef, self.params, token_ids, positions, **kwargs)
+
+    def logits(self, token_ids: jax.Array) -> jax.Array:
+        """Logits [B, T, V] float32 predicting every position of `token_ids` [B, T] under full
+        bidirectional attention at positions 0..T-1 (for Dream, after the shift)."""
+        token_ids = jnp.asarray(token_ids)
+        if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
+            raise ValueError(f"token_ids must be an int array [B, T], got {token_ids.dtype}{list(token_ids.shape)}")
+        positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1], dtype=jnp.int32), token_ids.shape)
+        return self.forward(token_ids.astype(jnp.int32), positions).logits
+
+
+_jit_forward = jax.jit(forward, static_argnums=0, static_argnames=("with_logits",))

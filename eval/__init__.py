@@ -1,0 +1,1 @@
+"""Evaluation: tasks, prompt layouts, accuracy sweeps, benchmarks."""

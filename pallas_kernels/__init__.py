@@ -1,0 +1,1 @@
+"""GPU kernels (Pallas, Triton lowering) and their pure-jnp oracles."""

@@ -1,0 +1,131 @@
+"""HF checkpoint -> our checkpoint: round trips through both load paths, and bad inputs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import acache_jax
+from acache_jax.config import ConfigError
+from convert import CheckpointError, convert
+from tests.hf_checkpoints import dream_config, llada_config, random_weights, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = np.array([[1, 5, 9, 2, 7, 3, 0], [4, 4, 8, 1, 6, 2, 5]], np.int32)
+
+
+def _hf(tmp_path, cfg, shards=1, weights=None, name="hf"):
+    weights = random_weights(cfg, seed=1) if weights is None else weights
+    return write_checkpoint(tmp_path / name, cfg, weights, shards=shards)
+
+
+def _leftovers(parent: Path, dst_name: str):
+    return [p.name for p in parent.iterdir() if p.name.startswith(dst_name) or ".partial-" in p.name]
+
+
+@pytest.mark.parametrize("cfg,shards", [(llada_config(n_kv_heads=2, include_qkv_bias=True), 3), (dream_config(), 1)])
+def test_round_trip_cli_and_both_load_paths(tmp_path, cfg, shards):
+    src = _hf(tmp_path, cfg, shards)
+    (src / "tokenizer_config.json").write_text("{}")
+    dst = tmp_path / "converted"
+    run = subprocess.run([sys.executable, "-m", "convert", str(src), str(dst), "--dtype", "float32"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert (dst / "config.json").is_file() and (dst / "tokenizer_config.json").is_file()
+    from_hf = np.asarray(acache_jax.load(src, dtype="float32").logits(IDS))
+    from_converted = np.asarray(acache_jax.load(dst).logits(IDS))
+    np.testing.assert_array_equal(from_hf, from_converted)
+
+
+def test_bfloat16_conversion_loads_as_bfloat16_and_upcasts(tmp_path):
+    src = _hf(tmp_path, llada_config())
+    dst = convert(src, tmp_path / "bf16", dtype="bfloat16")
+    model = acache_jax.load(dst)
+    assert model.dtype == np.dtype("bfloat16")
+    ref = np.asarray(acache_jax.load(src, dtype="bfloat16").logits(IDS))
+    np.testing.assert_array_equal(np.asarray(model.logits(IDS)), ref)
+    assert acache_jax.load(dst, dtype="float32").dtype == np.float32
+
+
+def test_missing_tensor(tmp_path):
+    cfg = llada_config()
+    weights = random_weights(cfg)
+    del weights["model.transformer.blocks.1.up_proj.weight"]
+    src = _hf(tmp_path, cfg, shards=2, weights=weights)
+    with pytest.raises(CheckpointError, match=r"missing \(1\): model\.transformer\.blocks\.1\.up_proj\.weight"):
+        convert(src, tmp_path / "out")
+    assert _leftovers(tmp_path, "out") == []
+    with pytest.raises(CheckpointError, match="missing"):
+        acache_jax.load(src)
+
+
+def test_wrong_shape_and_unexpected_listed_together(tmp_path):
+    cfg = dream_config()
+    weights = random_weights(cfg)
+    weights["model.layers.0.self_attn.k_proj.weight"] = np.zeros((9, 56), np.float32)
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.zeros((4,), np.float32)
+    src = _hf(tmp_path, cfg, weights=weights)
+    with pytest.raises(CheckpointError) as err:
+        convert(src, tmp_path / "out")
+    message = str(err.value)
+    assert "wrong shape (1): model.layers.0.self_attn.k_proj.weight: (9, 56) (expected (8, 56))" in message
+    assert "unexpected (1): model.layers.0.self_attn.rotary_emb.inv_freq" in message
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_unknown_model_type(tmp_path):
+    src = _hf(tmp_path, llada_config())
+    (src / "config.json").write_text(json.dumps(llada_config(model_type="llama")))
+    with pytest.raises(ConfigError, match="unknown model_type 'llama'"):
+        convert(src, tmp_path / "out")
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_missing_config_field_is_named(tmp_path):
+    cfg = dream_config()
+    del cfg["num_key_value_heads"]
+    with pytest.raises(ConfigError, match="lacks required field 'num_key_value_heads'"):
+        acache_jax.ModelConfig.from_hf(cfg)
+
+
+def test_unsupported_option_is_named():
+    with pytest.raises(ConfigError, match="weight_tying=True"):
+        acache_jax.ModelConfig.from_hf(llada_config(weight_tying=True))
+
+
+def test_truncated_safetensors(tmp_path):
+    src = _hf(tmp_path, llada_config(), shards=2)
+    shard = src / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors: truncated or not a safetensors file"):
+        convert(src, tmp_path / "out")
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_existing_nonempty_destination_is_left_alone(tmp_path):
+    src = _hf(tmp_path, llada_config())
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    run = subprocess.run([sys.executable, "-m", "convert", str(src), str(dst)], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "exists and is not an empty directory" in run.stderr
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"]
+    assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
+
+
+def test_empty_destination_directory_is_used(tmp_path):
+    src = _hf(tmp_path, llada_config())
+    (tmp_path / "out").mkdir()
+    convert(src, tmp_path / "out", dtype="float32")
+    assert acache_jax.load(tmp_path / "out").config.family == "llada"
+
+
+def test_load_rejects_non_model_directory(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        acache_jax.load(tmp_path / "nope")
+    with pytest.raises(ConfigError, match="no config.json"):
+        acache_jax.load(tmp_path)
