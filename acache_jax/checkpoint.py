@@ -80,10 +80,11 @@ def save(
     tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        tree = _nest(params)
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(tmp / "params", tree)
-        checkpointer.wait_until_finished()
+        # Leaves as jax arrays (orbax stages a copy of numpy leaves), written uncompressed and at
+        # most 1 GB at a time (compression buffers every array): peak memory stays near the output.
+        tree = _nest((path, jnp.asarray(array)) for path, array in params)
+        handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, use_compression=False)
+        ocp.Checkpointer(handler).save(tmp / "params", args=ocp.args.PyTreeSave(tree))
         del tree
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         (tmp / FORMAT_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "dtype": _dtype_name(dtype)}))

@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 
 from acache_jax.config import ModelConfig
 
@@ -81,38 +80,72 @@ def key_map(cfg: ModelConfig) -> dict[str, Entry]:
     return out
 
 
-def _shard_files(src: Path) -> dict[str, Path]:
-    """tensor name -> file holding it, from the index if there is one, else from the headers."""
-    index = src / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        missing = sorted({f for f in weight_map.values() if not (src / f).is_file()})
-        if missing:
-            raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
-        return {k: src / f for k, f in weight_map.items()}
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files in {src}")
-    located = {}
-    for file in files:
-        with _open(file) as f:
-            located.update({k: file for k in f.keys()})
-    return located
+_ST_DTYPES = {
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+}
 
 
-def _open(file: Path):
+class _TensorInfo(NamedTuple):
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+
+
+def _read_header(file: Path) -> dict[str, _TensorInfo]:
+    """Parse a safetensors header and check that every tensor's bytes lie inside the file.
+
+    We read tensors with plain file reads rather than a memory map, so a tensor in flight costs
+    exactly its own size in RSS (a map would also count every touched page of the shard).
+    """
+    size = file.stat().st_size
     try:
-        return safe_open(str(file), framework="numpy")
-    except (SafetensorError, OSError) as e:
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 + n:
+                raise ValueError(f"header of {n} bytes but the file has {size}")
+            header = json.loads(f.read(n))
+        infos = {}
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            dtype = _ST_DTYPES[meta["dtype"]]
+            shape = tuple(meta["shape"])
+            begin, end = meta["data_offsets"]
+            if end - begin != dtype.itemsize * int(np.prod(shape)) or 8 + n + end > size:
+                raise ValueError(f"tensor {key} needs bytes up to {8 + n + end}, the file has {size}")
+            infos[key] = _TensorInfo(file, dtype, shape, 8 + n + begin)
+        return infos
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"cannot read {file.name}: truncated or not a safetensors file ({e})") from e
 
 
-def _headers(files: set[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    found = {}
-    for file in sorted(files):
-        with _open(file) as f:
-            for key in f.keys():
-                found[key] = (file, tuple(f.get_slice(key).get_shape()))
+def _read_tensor(info: _TensorInfo) -> np.ndarray:
+    out = np.empty(info.shape, info.dtype)
+    with open(info.file, "rb") as f:
+        f.seek(info.offset)
+        if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+            raise CheckpointError(f"{info.file.name} ended while reading a tensor: truncated")
+    return out
+
+
+def _headers(src: Path) -> dict[str, _TensorInfo]:
+    """Every tensor of the checkpoint: the files named by the index if there is one, else all."""
+    index = src / INDEX_FILE
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not (src / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
+        files = [src / f for f in files]
+    else:
+        files = sorted(src.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {src}")
+    found: dict[str, _TensorInfo] = {}
+    for file in files:
+        found.update(_read_header(file))
     return found
 
 
@@ -129,39 +162,27 @@ def iter_params(
     """
     src = Path(src)
     expected = key_map(cfg)
-    headers = _headers(set(_shard_files(src).values()))
+    headers = _headers(src)
     missing = sorted(set(expected) - set(headers))
     unexpected = sorted(set(headers) - set(expected))
     misshaped = [
-        f"{k}: {headers[k][1]} (expected {expected[k].hf_shape})"
+        f"{k}: {headers[k].shape} (expected {expected[k].hf_shape})"
         for k in sorted(set(expected) & set(headers))
-        if headers[k][1] != expected[k].hf_shape
+        if headers[k].shape != expected[k].hf_shape
     ]
     if missing or unexpected or misshaped:
         parts = [f"{label} ({len(items)}): {', '.join(items)}"
                  for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped))
                  if items]
         raise CheckpointError(f"checkpoint at {src} does not match its config.json ({cfg.family}): " + "; ".join(parts))
-    by_file: dict[Path, list[str]] = {}
-    for key in expected:
-        by_file.setdefault(headers[key][0], []).append(key)
-    work = [(file, key) for file, keys in sorted(by_file.items()) for key in keys]
-    handles: dict[Path, object] = {}
-    try:
-        for file, key in progress(work):
-            if file not in handles:
-                handles.clear()  # one shard open at a time
-                handles[file] = _open(file)
-            try:
-                tensor = handles[file].get_tensor(key)
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"cannot read tensor {key} from {file.name}: {e}") from e
-            entry = expected[key]
-            array = tensor.T if entry.transpose else tensor
-            del tensor
-            yield entry.path, np.ascontiguousarray(array, dtype=dtype)
-    finally:
-        handles.clear()
+    # In file order, so shards are read front to back.
+    for key in progress(sorted(expected, key=lambda k: (headers[k].file, headers[k].offset))):
+        entry = expected[key]
+        tensor = _read_tensor(headers[key])
+        out = np.ascontiguousarray(tensor.T if entry.transpose else tensor, dtype=dtype)
+        del tensor
+        yield entry.path, out
+        del out  # before the next read: the consumer has taken its copy
 
 
 NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
