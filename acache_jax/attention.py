@@ -19,26 +19,27 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVView:
-    """Keys/values a forward reads besides its own tokens: a pool of rows and, per query row, a map.
+    """Keys/values a forward reads besides its own tokens.
 
-    Logical key n of batch row b is pool row `slots[b, n]`, rotated at `positions[b, n]`; keys with
-    `valid[b, n] == False` are ignored. A dense per-row cache is the special case built by `dense`;
-    a shared affix cache is a pool without a batch axis that every row maps into.
+    Either a dense per-row cache (`slots` is None; k, v: [layers, B, N, kv_heads, head_dim]) or a
+    pool of rows read through a map (k, v: [layers, S, kv_heads, head_dim]; logical key n of batch
+    row b is pool row `slots[b, n]`), so one shared affix cache can serve every row. Keys are stored
+    before RoPE and rotated at `positions`; keys with `valid == False` are ignored.
     """
 
-    k: jax.Array  # [layers, S, kv_heads, head_dim] keys before RoPE
-    v: jax.Array  # [layers, S, kv_heads, head_dim]
-    slots: jax.Array  # [B, N] int32 pool row of logical key n
+    k: jax.Array
+    v: jax.Array
     positions: jax.Array  # [B, N] int32 absolute position of logical key n
     valid: jax.Array  # [B, N] bool
+    slots: jax.Array | None = None  # [B, N] int32 pool row of logical key n, or None (dense)
 
-    @classmethod
-    def dense(cls, k: jax.Array, v: jax.Array, positions: jax.Array, valid: jax.Array) -> KVView:
-        """View a per-row cache k, v: [layers, B, N, kv_heads, head_dim]."""
-        layers, batch, n = k.shape[:3]
-        slots = jnp.arange(batch * n, dtype=jnp.int32).reshape(batch, n)
-        flat = lambda a: a.reshape(layers, batch * n, *a.shape[3:])
-        return cls(flat(k), flat(v), slots, positions.astype(jnp.int32), valid)
+    def rows(self, layer: int) -> tuple[jax.Array, jax.Array]:
+        """This layer's keys and values as [B, N, kv_heads, head_dim]."""
+        k, v = self.k[layer], self.v[layer]
+        return (k, v) if self.slots is None else (k[self.slots], v[self.slots])
+
+
+ATTENTION_BACKENDS = ("xla", "cudnn")
 
 
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
@@ -69,6 +70,19 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) 
     return out.reshape(b, tq, hq, d).astype(q.dtype)
 
 
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+    """Same result as `dense_attention` through cuDNN's fused kernel (GPU, bf16).
+
+    cuDNN masks keys only by a per-row length, so valid keys are first moved to the front (attention
+    does not depend on key order) and counted.
+    """
+    order = jnp.argsort(~valid, axis=1, stable=True)
+    k = jnp.take_along_axis(k, order[:, :, None, None], axis=1)
+    v = jnp.take_along_axis(v, order[:, :, None, None], axis=1)
+    lengths = jnp.maximum(valid.sum(axis=1), 1).astype(jnp.int32)
+    return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
+
+
 def attend(
     q: jax.Array,
     k_new: jax.Array,
@@ -78,6 +92,7 @@ def attend(
     kv: KVView | None,
     layer: int,
     rope_theta: float,
+    backend: str = "xla",
 ) -> jax.Array:
     """Attention of a forward's queries over [external keys; its own keys].
 
@@ -86,8 +101,14 @@ def attend(
     q = rope(q, positions, rope_theta)
     keys, values, key_pos, key_valid = k_new, v_new, positions, valid
     if kv is not None:
-        keys = jnp.concatenate([kv.k[layer][kv.slots], keys], axis=1)
-        values = jnp.concatenate([kv.v[layer][kv.slots], values], axis=1)
+        k_ext, v_ext = kv.rows(layer)
+        keys = jnp.concatenate([k_ext, keys], axis=1)
+        values = jnp.concatenate([v_ext, values], axis=1)
         key_pos = jnp.concatenate([kv.positions, key_pos], axis=1)
         key_valid = jnp.concatenate([kv.valid, key_valid], axis=1)
-    return dense_attention(q, rope(keys, key_pos, rope_theta), values, key_valid)
+    keys = rope(keys, key_pos, rope_theta)
+    if backend == "xla":
+        return dense_attention(q, keys, values, key_valid)
+    if backend == "cudnn":
+        return cudnn_attention(q, keys, values, key_valid)
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")

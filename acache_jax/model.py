@@ -60,13 +60,13 @@ class Attention(nnx.Module):
         self.o = Linear(cfg.num_heads * hd, d, False, dtype, rngs)
         self.cfg = cfg
 
-    def __call__(self, x, positions, valid, kv, layer):
+    def __call__(self, x, positions, valid, kv, layer, backend):
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = self.k(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = self.v(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        out = attend(q, k, v, positions, valid, kv, layer, cfg.rope_theta)
+        out = attend(q, k, v, positions, valid, kv, layer, cfg.rope_theta, backend)
         return self.o(out.reshape(b, t, -1)), k, v
 
 
@@ -87,8 +87,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, valid, kv, layer):
-        h, k, v = self.attn(self.attn_norm(x), positions, valid, kv, layer)
+    def __call__(self, x, positions, valid, kv, layer, backend):
+        h, k, v = self.attn(self.attn_norm(x), positions, valid, kv, layer, backend)
         x = x + h
         return x + self.mlp(self.mlp_norm(x)), k, v
 
@@ -112,6 +112,7 @@ class Transformer(nnx.Module):
         kv: KVView | None = None,
         logit_index: jax.Array | None = None,
         with_logits: bool = True,
+        attn_backend: str = "xla",
     ) -> ForwardOutput:
         """Forward over the given tokens.
 
@@ -120,6 +121,7 @@ class Transformer(nnx.Module):
         logit_index: [B, Tl] indices into the T axis where logits are wanted (default: all).
         Dream's shift is along the T axis of this call: logits at index j come from index j-1
         (index 0 keeps its own), exactly as upstream shifts the logits of whatever it computed.
+        attn_backend: "xla" (plain jnp, any device) or "cudnn" (fused GPU kernel, bf16).
         """
         if valid is None:
             valid = jnp.ones(token_ids.shape, bool)
@@ -128,7 +130,7 @@ class Transformer(nnx.Module):
         # A Python loop, unrolled under jit: a scan over stacked layers copies each layer's
         # weights through dynamic slices, which doubles the latency of small decode forwards.
         for layer, block in enumerate(self.layers):
-            x, k, v = block(x, positions, valid, kv, layer)
+            x, k, v = block(x, positions, valid, kv, layer, attn_backend)
             ks.append(k)
             vs.append(v)
         logits = None
@@ -187,4 +189,4 @@ class Model:
         return self.forward(token_ids.astype(jnp.int32), positions).logits
 
 
-_jit_forward = jax.jit(forward, static_argnums=0, static_argnames=("with_logits",))
+_jit_forward = jax.jit(forward, static_argnums=0, static_argnames=("with_logits", "attn_backend"))

@@ -24,7 +24,7 @@ def llada_config(**overrides) -> dict:
         "mlp_ratio": 4, "vocab_size": 128, "embedding_size": 128, "max_sequence_length": 256,
         "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
         "mask_token_id": 127, "eos_token_id": 126, "pad_token_id": 126, "bos_token_id": 125,
-        "torch_dtype": "float32",
+        "torch_dtype": "float32", "use_cache": False,
     }
     cfg.update(overrides)
     return cfg
