@@ -215,8 +215,9 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
             logits = uncond + (cfg.cfg_scale + 1) * (cond - uncond)
         return logits, out.k, out.v
 
-    def step_keys(counter):
-        return jax.vmap(lambda k: jax.random.fold_in(k, counter))(batch.keys)
+    def step_keys(nfe):
+        """Per-row keys for this step, from the row's own forward count (not the batch's)."""
+        return jax.vmap(jax.random.fold_in)(batch.keys, nfe)
 
     def commit(x, s, logits, step, keys, sched, block_start: bool):
         block = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1)
@@ -239,7 +240,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
     padded = lambda a, fill: jnp.pad(a, ((0, 0), (0, window)), constant_values=fill)
 
     def block_body(blk, carry):
-        x, nfe, ftok, calls, counter = carry
+        x, nfe, ftok, calls = carry
         s = g0 + blk * bl
         in_block = (col >= s) & (col < s + bl)
         masked0 = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mask_id
@@ -247,7 +248,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
         active = masked0.any(-1)
         idx = jnp.broadcast_to(s + jnp.arange(bl), (b, bl))
         logits, k, v = forward(x, batch.positions, batch.valid, prompt, logit_index=idx)
-        x = commit(x, s, logits, 0, step_keys(counter), sched, block_start=True)
+        x = commit(x, s, logits, 0, step_keys(nfe), sched, block_start=True)
         nfe, ftok = nfe + active, ftok + active * batch.valid.sum(-1) * (2 if guided else 1)
         cache_valid = batch.valid & (col < s) if cfg.cache == "prefix" else batch.valid & ~in_block
         kv = KVView(k, v, dup(batch.positions), dup(cache_valid))
@@ -256,7 +257,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
             return (jax.lax.dynamic_slice_in_dim(c[0], s, bl, axis=1) == mask_id).any()
 
         def step_body(c):
-            x, step, nfe, ftok, calls, counter = c
+            x, step, nfe, ftok, calls = c
             active = (jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mask_id).any(-1)
             if cfg.cache == "none":
                 logits, _, _ = forward(x, batch.positions, batch.valid, prompt, logit_index=idx)
@@ -271,17 +272,15 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
                 logits, _, _ = forward(sl(x, mask_id), sl(batch.positions, 0), w_valid, sl(prompt, False), kv=kv,
                                        logit_index=jnp.broadcast_to(jnp.arange(bl), (b, bl)))
                 width = w_valid.sum(-1)
-            x = commit(x, s, logits, step, step_keys(counter), sched, block_start=False)
+            x = commit(x, s, logits, step, step_keys(nfe), sched, block_start=False)
             nfe, ftok = nfe + active, ftok + active * width * (2 if guided else 1)
-            return x, step + 1, nfe, ftok, calls + 1, counter + 1
+            return x, step + 1, nfe, ftok, calls + 1
 
-        x, _, nfe, ftok, calls, counter = jax.lax.while_loop(
-            step_cond, step_body, (x, jnp.int32(1), nfe, ftok, calls + 1, counter + 1))
-        return x, nfe, ftok, calls, counter
+        x, _, nfe, ftok, calls = jax.lax.while_loop(step_cond, step_body, (x, jnp.int32(1), nfe, ftok, calls + 1))
+        return x, nfe, ftok, calls
 
     zeros = jnp.zeros((b,), jnp.int32)
-    x, nfe, ftok, calls, _ = jax.lax.fori_loop(
-        0, cfg.num_blocks, block_body, (batch.tokens, zeros, zeros, jnp.int32(0), jnp.int32(0)))
+    x, nfe, ftok, calls = jax.lax.fori_loop(0, cfg.num_blocks, block_body, (batch.tokens, zeros, zeros, jnp.int32(0)))
     return x, DecodeStats(nfe, ftok, calls)
 
 
