@@ -142,16 +142,13 @@ def progress(desc: str):
 
 
 def load_tokenizer(path: str | Path) -> Any | None:
-    """The HF tokenizer shipped in `path`, or None if there is none."""
+    """The HF fast tokenizer shipped in `path` (tokenizer.json + tokenizer_config.json), or None."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         return None
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (ValueError, OSError, ImportError):  # custom tokenizer classes: the fast tokenizer file suffices
-        return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
 def load(path: str | Path, dtype: Any | None = None) -> Model:

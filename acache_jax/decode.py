@@ -121,13 +121,17 @@ class Batch:
 
 @dataclasses.dataclass
 class GenerateResult:
-    """Per request: generated ids, forward calls (NFE) and forward tokens it took; batch wall time."""
+    """Per request: generated ids, forward calls (NFE), forward tokens, and its batch's wall time."""
 
     tokens: list[np.ndarray]
-    nfe: np.ndarray
-    forward_tokens: np.ndarray
-    seconds: float
-    batch_forward_calls: int = 0  # forward calls over all batches (a batch call counts once)
+    nfe: np.ndarray  # [n] forward calls in which the request still had masks in its block
+    forward_tokens: np.ndarray  # [n] real tokens of the request those calls computed
+    seconds: np.ndarray  # [n] wall time of the batch the request ran in (compilation included)
+    batch_forward_calls: int  # forward calls over all batches (a batch call counts once)
+
+    @property
+    def total_seconds(self) -> float:
+        return float(np.unique(self.seconds).sum())
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -313,17 +317,16 @@ def generate(
 
         chunks = tqdm(chunks, desc="generating", unit="batch")
     tokens: list[Any] = [None] * len(requests)
-    nfe = np.zeros(len(requests), np.int64)
-    ftok = np.zeros(len(requests), np.int64)
+    nfe, ftok, seconds = (np.zeros(len(requests), dtype) for dtype in (np.int64, np.int64, np.float64))
     calls = 0
-    start = time.perf_counter()
     for chunk in chunks:
+        start = time.perf_counter()
         batch = make_batch([requests[i] for i in chunk], config, model.config)
-        out, stats = decode_batch(model.graphdef, model.params, batch, config)
-        out = np.asarray(out)
+        out, stats = jax.device_get(decode_batch(model.graphdef, model.params, batch, config))
+        elapsed = time.perf_counter() - start
         g0 = batch.gen_start
         for row, i in enumerate(chunk):
             tokens[i] = out[row, g0:g0 + config.gen_length]
-            nfe[i], ftok[i] = int(stats.nfe[row]), int(stats.forward_tokens[row])
+            nfe[i], ftok[i], seconds[i] = stats.nfe[row], stats.forward_tokens[row], elapsed
         calls += int(stats.calls)
-    return GenerateResult(tokens, nfe, ftok, time.perf_counter() - start, calls)
+    return GenerateResult(tokens, nfe, ftok, seconds, calls)

@@ -65,7 +65,7 @@ def test_nfe_and_forward_tokens(llada):
     assert dual.forward_tokens[0] == 2 * total + 14 * 8  # 2 block starts + 14 block-only steps
     # prefix: in-block steps see the block and everything after it (16 then 8 tokens)
     assert prefix.forward_tokens[0] == 2 * total + 7 * 16 + 7 * 8
-    assert none.seconds > 0 and none.batch_forward_calls == 16
+    assert none.seconds[0] > 0 and none.batch_forward_calls == 16
 
 
 @pytest.mark.parametrize("kwargs,message", [
