@@ -21,14 +21,15 @@ _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 class KVView:
     """Keys/values a forward reads besides its own tokens.
 
-    Either a dense per-row cache (`slots` is None; k, v: [layers, B, N, kv_heads, head_dim]) or a
-    pool of rows read through a map (k, v: [layers, S, kv_heads, head_dim]; logical key n of batch
-    row b is pool row `slots[b, n]`), so one shared affix cache can serve every row. Keys are stored
-    before RoPE and rotated at `positions`; keys with `valid == False` are ignored.
+    Either a dense per-row cache (`slots` is None; k[layer], v[layer]: [B, N, kv_heads, head_dim]) or
+    a pool of rows read through a map (k[layer], v[layer]: [S, kv_heads, head_dim]; logical key n of
+    batch row b is pool row `slots[b, n]`), so one shared affix cache can serve every row. k and v
+    are indexed by layer: a stacked array or a tuple of per-layer arrays. Keys are stored before
+    RoPE and rotated at `positions`; keys with `valid == False` are ignored.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...]
     positions: jax.Array  # [B, N] int32 absolute position of logical key n
     valid: jax.Array  # [B, N] bool
     slots: jax.Array | None = None  # [B, N] int32 pool row of logical key n, or None (dense)

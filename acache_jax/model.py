@@ -24,8 +24,9 @@ from acache_jax.config import ModelConfig
 @dataclasses.dataclass
 class ForwardOutput:
     logits: jax.Array | None  # [B, Tl, V] float32, Tl = T or len(logit_index)
-    k: jax.Array  # [layers, B, T, kv_heads, head_dim] keys of the computed tokens, before RoPE
-    v: jax.Array  # [layers, B, T, kv_heads, head_dim]
+    # Per layer (a tuple, not a stacked array: stacking would copy every layer's K/V once more):
+    k: tuple[jax.Array, ...]  # layers x [B, T, kv_heads, head_dim] keys of the computed tokens, before RoPE
+    v: tuple[jax.Array, ...]  # layers x [B, T, kv_heads, head_dim]
 
 
 class RMSNorm(nnx.Module):
@@ -144,7 +145,7 @@ class Transformer(nnx.Module):
                 x = jnp.take_along_axis(x, idx[..., None], axis=1)
             h = self.final_norm(x)
             logits = jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
-        return ForwardOutput(logits, jnp.stack(ks), jnp.stack(vs))
+        return ForwardOutput(logits, tuple(ks), tuple(vs))
 
 
 def abstract_transformer(cfg: ModelConfig, dtype: Any) -> Transformer:

@@ -1,0 +1,189 @@
+"""Decoding speed at LLaDA-8B shape with random bf16 weights: per-call forwards and end-to-end policies.
+
+    python -m eval.bench_decode [--layers 32] [--batches 1,4,16] [--prompts 300,500,900] [--out DIR]
+
+1. Per call: the block-start full forward (T = prompt + 256 tokens, logits for one 32-token block,
+   K/V of every position returned) and the dual-cache in-block forward (32 tokens against a cached
+   K/V of T positions), median time, TFLOP/s and MFU against 800 TFLOP/s (the measured H200 bf16 rate).
+2. End to end: `none`, `prefix` and `dual` over the same prompts with a fixed commit schedule
+   (threshold off, `--steps` steps: every policy does the same NFE), tokens/s and MFU.
+All programs are lowered first and compiled in parallel threads, then run one after another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from acache_jax.attention import KVView, cudnn_attention, dense_attention
+from acache_jax.config import ModelConfig
+from acache_jax.decode import DecodeConfig, Request, decode_batch, make_batch
+from acache_jax.model import Model, abstract_transformer, forward
+
+PEAK_TFLOPS = 800.0  # bf16 dense matmul measured on one H200 (8192^3 product, random data)
+
+
+def llada_8b(layers: int) -> ModelConfig:
+    return ModelConfig(family="llada", vocab_size=126464, hidden_size=4096, num_layers=layers, num_heads=32,
+                       num_kv_heads=32, head_dim=128, intermediate_size=12288, rope_theta=500000.0,
+                       rms_norm_eps=1e-5, max_seq_len=4096, qkv_bias=False, mask_token_id=126336,
+                       eos_token_id=126081, pad_token_id=126081)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> Model:
+    """Random bf16 weights made on the device (std 0.02, norms 1)."""
+    graphdef, abstract = nnx.split(abstract_transformer(cfg, jnp.bfloat16))
+    leaves, treedef = jax.tree.flatten(abstract)
+
+    @jax.jit
+    def init(key):
+        keys = jax.random.split(key, len(leaves))
+        return [jnp.ones(a.shape, a.dtype) if a.ndim == 1 else
+                (0.02 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype) for k, a in zip(keys, leaves)]
+
+    return Model(cfg, graphdef, jax.tree.unflatten(treedef, init(jax.random.key(seed))))
+
+
+def forward_flops(cfg: ModelConfig, batch: int, tq: int, tk: int, logit_tokens: int) -> float:
+    """Matmul FLOPs of one forward: projections and MLP per query token, attention q.k and p.v, LM head."""
+    d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    per_token = 2 * (2 * d * d + 2 * d * kv + 3 * d * cfg.intermediate_size)
+    attention = 4 * tq * tk * cfg.num_heads * cfg.head_dim
+    return batch * (cfg.num_layers * (tq * per_token + attention) + 2 * logit_tokens * d * cfg.vocab_size)
+
+
+def median_seconds(fn, *args, iters: int = 10) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def check_attention_backends() -> str:
+    """On this device, the cuDNN path must equal the jnp oracle (bf16 tolerance)."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((2, 37, 8, 128), (2, 300, 8, 128), (2, 300, 8, 128)))
+    valid = jnp.asarray(rng.random((2, 300)) < 0.8)
+    ref = dense_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), valid)
+    got = cudnn_attention(q, k, v, valid).astype(jnp.float32)
+    err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+    assert err < 2e-2, f"cuDNN attention differs from the oracle: relative error {err}"
+    return f"cudnn vs jnp oracle: relative L2 error {err:.2e}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--prompts", default="300,500,900")
+    parser.add_argument("--policies", default="none,prefix,dual")
+    parser.add_argument("--gen", type=int, default=256)
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=32, help="fixed schedule: gen/steps tokens per forward")
+    parser.add_argument("--backend", default="cudnn")
+    parser.add_argument("--threads", type=int, default=8, help="parallel compilations")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    prompts = [int(x) for x in args.prompts.split(",")]
+    policies = args.policies.split(",")
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    if args.backend == "cudnn":
+        print(check_attention_backends(), flush=True)
+    cfg = llada_8b(args.layers)
+    model = random_model(cfg)
+    print(f"model: {cfg.num_params / 1e9:.2f} B parameters (bf16)", flush=True)
+    bl, g = args.block, args.gen
+
+    def full(params, ids, pos):
+        idx = jnp.broadcast_to(pos.shape[1] - g + jnp.arange(bl), (ids.shape[0], bl))
+        out = forward(model.graphdef, params, ids, pos, logit_index=idx, attn_backend=args.backend)
+        return out.logits, out.k, out.v
+
+    def block(params, ids, pos, k, v, kpos, kvalid):
+        kv = KVView(k, v, kpos, kvalid)
+        return forward(model.graphdef, params, ids, pos, kv=kv, attn_backend=args.backend).logits
+
+    # ---- lower everything, compile in parallel ----
+    jobs = {}
+    rng = np.random.default_rng(0)
+    for b in batches:
+        for p in prompts:
+            t = p + g
+            ids = jnp.asarray(rng.integers(0, 126000, (b, t)), jnp.int32)
+            pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            kshape = (jax.ShapeDtypeStruct((b, t, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.num_layers
+            jobs[("full", b, p)] = (jax.jit(full).lower(model.params, ids, pos), (model.params, ids, pos))
+            bids, bpos = ids[:, p:p + bl], pos[:, p:p + bl]
+            kvalid = jnp.ones((b, t), bool).at[:, p:p + bl].set(False)
+            jobs[("block", b, p)] = (jax.jit(block).lower(model.params, bids, bpos, kshape, kshape, pos, kvalid),
+                                     (model.params, bids, bpos, None, None, pos, kvalid))
+            for policy in policies:
+                dcfg = DecodeConfig(gen_length=g, block_length=bl, steps=args.steps, threshold=None, cache=policy,
+                                    attn_backend=args.backend)
+                reqs = [Request(rng.integers(0, 126000, p).tolist(), seed=i) for i in range(b)]
+                batch = make_batch(reqs, dcfg, cfg)
+                jobs[(policy, b, p)] = (decode_batch.lower(model.graphdef, model.params, batch, dcfg),
+                                        (model.graphdef, model.params, batch, dcfg))
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
+        compiled = dict(zip(jobs, pool.map(lambda lowered: lowered.compile(), [j[0] for j in jobs.values()])))
+    print(f"compiled {len(jobs)} programs in {time.perf_counter() - start:.0f} s", flush=True)
+
+    results = []
+    for (kind, b, p), exe in compiled.items():
+        t = p + g
+        inputs = jobs[(kind, b, p)][1]
+        if kind == "full":
+            sec = median_seconds(exe, *inputs)
+            flops = forward_flops(cfg, b, t, t, bl)
+            logits, kcache, vcache = exe(*inputs)
+            caches = (kcache, vcache)
+        elif kind == "block":
+            args_ = list(inputs)
+            args_[3], args_[4] = caches  # cache from the full forward of the same shape
+            sec = median_seconds(exe, *args_)
+            flops = forward_flops(cfg, b, bl, t, bl)
+            del caches
+        else:
+            graphdef, params, batch, dcfg = inputs
+            run = lambda: exe(params, batch)
+            jax.block_until_ready(run())
+            start = time.perf_counter()
+            tokens, stats = jax.block_until_ready(run())
+            sec = time.perf_counter() - start
+            calls = int(stats.calls)
+            nfe_tokens = int(np.asarray(stats.forward_tokens).sum())
+            # FLOPs: each forward's tokens through the projections/MLP (attention and LM head omitted: a lower bound)
+            flops = forward_flops(cfg, 1, 1, 0, 0) * nfe_tokens
+        row = dict(kind=kind, batch=b, prompt=p, seconds=sec, tflops=flops / sec / 1e12)
+        row["mfu"] = row["tflops"] / PEAK_TFLOPS
+        if kind not in ("full", "block"):
+            row.update(tokens_per_s=b * g / sec, nfe=calls)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+    print("\n| kind | batch | prompt | ms | TFLOP/s | MFU | tokens/s | NFE |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['kind']} | {r['batch']} | {r['prompt']} | {1e3 * r['seconds']:.1f} | {r['tflops']:.0f} | "
+              f"{r['mfu']:.2f} | {r.get('tokens_per_s', float('nan')):.0f} | {r.get('nfe', '')} |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_decode.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
