@@ -84,6 +84,21 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) 
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
 
 
+def probe_scores(q: jax.Array, k: jax.Array, queries: jax.Array) -> jax.Array:
+    """Anchor-probe importance of each external key (ACache eq. 4-5, one layer).
+
+    q: [B, Tq, Hq, D] and k: [B, N, Hkv, D], both rotated; queries: [B, Tq] bool, the queries that
+    count (mask tokens). Softmax over these N keys only, summed over counted queries and all heads.
+    Returns [B, N] float32.
+    """
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, tq, hkv, hq // hkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhgqk,bq->bk", probs, queries.astype(jnp.float32))
+
+
 def attend(
     q: jax.Array,
     k_new: jax.Array,
@@ -94,22 +109,26 @@ def attend(
     layer: int,
     rope_theta: float,
     backend: str = "xla",
-) -> jax.Array:
+    probe: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
     """Attention of a forward's queries over [external keys; its own keys].
 
     q, k_new: [B, T, H, D] before RoPE; positions, valid: [B, T] of the forward's own tokens.
+    probe: [B, T] bool; when given, also returns `probe_scores` of these queries over the external keys.
     """
     q = rope(q, positions, rope_theta)
-    keys, values, key_pos, key_valid = k_new, v_new, positions, valid
+    keys, values, key_valid = rope(k_new, positions, rope_theta), v_new, valid
+    scores = None
     if kv is not None:
         k_ext, v_ext = kv.rows(layer)
+        k_ext = rope(k_ext, kv.positions, rope_theta)
+        if probe is not None:
+            scores = probe_scores(q, k_ext, probe)
         keys = jnp.concatenate([k_ext, keys], axis=1)
         values = jnp.concatenate([v_ext, values], axis=1)
-        key_pos = jnp.concatenate([kv.positions, key_pos], axis=1)
         key_valid = jnp.concatenate([kv.valid, key_valid], axis=1)
-    keys = rope(keys, key_pos, rope_theta)
     if backend == "xla":
-        return dense_attention(q, keys, values, key_valid)
+        return dense_attention(q, keys, values, key_valid), scores
     if backend == "cudnn":
-        return cudnn_attention(q, keys, values, key_valid)
+        return cudnn_attention(q, keys, values, key_valid), scores
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")

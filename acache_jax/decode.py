@@ -1,15 +1,14 @@
-"""Block diffusion decoding (LLaDA / Dream / Fast-dLLM) as one jitted, shape-bucketed program.
+"""Block diffusion decoding (LLaDA / Dream / Fast-dLLM / ACache) as one jitted, bucketed program.
 
-A batch row is laid out as [left pad][left tokens][generation: gen_length masks][right tokens][right pad]:
-the generation region starts at the same column in every row, so blocks are aligned across the batch,
-and positions count only a row's real tokens, so padding never changes a row's result.
-
-Per block: a block-start forward (policy `none`/`prefix`/`dual`: full forward; it also rebuilds the
-cache) commits from its logits, then in-block steps run until the block has no mask left:
+Rows are laid out by `layout.py`. Per block, a block-start forward commits from its logits and
+rebuilds the cache, then in-block steps run until the block has no mask left:
 - none: full forward every step;
-- prefix: forward over the window from the block start to the end; keys before the block come from
-  the block-start cache;
-- dual: forward over the block only; every other key comes from the block-start cache.
+- prefix: block start = full forward; steps see the window from the block start to the end, keys
+  before the block come from the block-start cache;
+- dual: block start = full forward; steps see the block only, every other key from the cache;
+- acache: block start = selective recompute: anchors + every non-affix position, with the other
+  affix K/V read from the shared affix cache; steps as in dual (ratio 1 = dual, ratio 0 = direct);
+- direct: acache with no anchors (the shared affix cache as is).
 The whole generation (all blocks, all steps) is one compiled program: lax loops, no host sync.
 """
 
@@ -26,16 +25,19 @@ import numpy as np
 from flax import nnx
 
 from acache_jax import sampling
+from acache_jax.acache import (SELECTORS, AffixCache, affix_positions, anchor_count, build_affix_cache,
+                               check_affix_cache, select_anchors_jit)
 from acache_jax.attention import ATTENTION_BACKENDS, KVView
 from acache_jax.config import ModelConfig
+from acache_jax.layout import Batch, Request, RequestError, check_requests, make_batch
 from acache_jax.model import Model
 
-CachePolicy = Literal["none", "prefix", "dual"]
-CACHE_POLICIES = ("none", "prefix", "dual")
+CachePolicy = Literal["none", "prefix", "dual", "acache", "direct"]
+CACHE_POLICIES = ("none", "prefix", "dual", "acache", "direct")
 
 
-class DecodeError(ValueError):
-    """A generation request or setting that cannot be run."""
+class DecodeError(RequestError):
+    """A generation setting that cannot be run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +57,18 @@ class DecodeConfig:
     top_k: int | None = None  # Dream
     cfg_scale: float = 0.0  # classifier-free guidance (LLaDA)
     cache: CachePolicy = "dual"
+    anchor_ratio: float = 0.2  # acache: K = min(ceil(ratio * L), L) anchors per request
+    selector: str = "attention"  # acache: attention | hkvd | random | bottom
+    drop_non_anchor: bool = False  # acache DropNA ablation: non-anchor affix K/V are discarded
     attn_backend: str = "xla"
+
+    @property
+    def selective(self) -> bool:
+        """Block starts recompute only private positions against a shared affix cache."""
+        return self.cache in ("acache", "direct")
+
+    def anchors(self, affix_len: int) -> int:
+        return 0 if self.cache == "direct" else anchor_count(self.anchor_ratio, affix_len)
 
     @property
     def num_blocks(self) -> int:
@@ -96,27 +109,10 @@ class DecodeConfig:
             fail(f"unknown remasking {self.remasking!r}; choose low_confidence or random")
         if self.alg not in ("origin", "maskgit_plus", "topk_margin", "entropy"):
             fail(f"unknown Dream alg {self.alg!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Request:
-    """One generation request: the tokens before and after the generated span."""
-
-    left: Sequence[int]
-    right: Sequence[int] = ()
-    seed: int = 0
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Batch:
-    """Device inputs of one bucketed batch."""
-
-    tokens: jax.Array  # [B, T] int32 (mask ids in the generation region, pad id in padding)
-    positions: jax.Array  # [B, T] int32 (cumulative count of real tokens - 1)
-    valid: jax.Array  # [B, T] bool, real token (padding rows and columns: False)
-    keys: jax.Array  # [B] PRNG keys, one per row
-    gen_start: int = dataclasses.field(metadata=dict(static=True))  # column of the first generated token
+        if not 0.0 <= self.anchor_ratio <= 1.0:
+            fail(f"anchor ratio must be in [0, 1], got {self.anchor_ratio}")
+        if self.selector not in SELECTORS:
+            fail(f"unknown anchor selector {self.selector!r}; choose one of {SELECTORS}")
 
 
 @dataclasses.dataclass
@@ -124,7 +120,8 @@ class GenerateResult:
     """Per request: generated ids, forward calls (NFE), forward tokens, and its batch's wall time."""
 
     tokens: list[np.ndarray]
-    nfe: np.ndarray  # [n] forward calls in which the request still had masks in its block
+    anchors: list[np.ndarray]  # sorted affix-relative anchor indices (empty without selective recompute)
+    nfe: np.ndarray  # [n] forward calls in which the request still had masks in its block (+1 for the probe)
     forward_tokens: np.ndarray  # [n] real tokens of the request those calls computed
     seconds: np.ndarray  # [n] wall time of the batch the request ran in (compilation included)
     batch_forward_calls: int  # forward calls over all batches (a batch call counts once)
@@ -132,54 +129,6 @@ class GenerateResult:
     @property
     def total_seconds(self) -> float:
         return float(np.unique(self.seconds).sum())
-
-
-def bucket(n: int, minimum: int = 16) -> int:
-    """Padded size for n: powers of two up to 512, then multiples of 256 (few programs, little waste)."""
-    if n <= 0:
-        return 0
-    size = minimum
-    while size < n and size < 512:
-        size *= 2
-    return size if size >= n else -(-n // 256) * 256
-
-
-def batch_bucket(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def check_requests(requests: Sequence[Request], cfg: DecodeConfig, mcfg: ModelConfig) -> None:
-    for i, r in enumerate(requests):
-        if len(r.left) == 0:
-            raise DecodeError(f"request {i}: empty prompt")
-        total = len(r.left) + len(r.right) + cfg.gen_length
-        if total > mcfg.max_seq_len:
-            raise DecodeError(
-                f"request {i}: {len(r.left) + len(r.right)} prompt tokens + {cfg.gen_length} generated = {total} "
-                f"exceeds the model's context of {mcfg.max_seq_len}"
-            )
-        bad = [t for t in (*r.left, *r.right) if not 0 <= t < mcfg.vocab_size]
-        if bad:
-            raise DecodeError(f"request {i}: token ids outside the vocabulary [0, {mcfg.vocab_size}): {bad[:5]}")
-
-
-def make_batch(requests: Sequence[Request], cfg: DecodeConfig, mcfg: ModelConfig, batch_size: int | None = None) -> Batch:
-    """Pad requests into one bucketed batch (left part left-padded, right part right-padded)."""
-    b = batch_size or batch_bucket(len(requests))
-    left = bucket(max(len(r.left) for r in requests))
-    right = bucket(max(len(r.right) for r in requests), minimum=8)
-    g = cfg.gen_length
-    tokens = np.full((b, left + g + right), mcfg.pad_token_id, np.int32)
-    valid = np.zeros(tokens.shape, bool)
-    for i, r in enumerate(requests):
-        tokens[i, left - len(r.left):left] = r.left
-        tokens[i, left:left + g] = mcfg.mask_token_id
-        tokens[i, left + g:left + g + len(r.right)] = r.right
-        valid[i, left - len(r.left):left + g + len(r.right)] = True
-    positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
-    seeds = [r.seed for r in requests] + [0] * (b - len(requests))
-    keys = jnp.stack([jax.random.key(s) for s in seeds])
-    return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid), keys, left)
 
 
 # Incremented each time the decode program is traced: tests use it to count compilations.
@@ -194,7 +143,9 @@ class DecodeStats:
     calls: jax.Array  # [] forward calls of the batch
 
 
-def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: DecodeConfig) -> tuple[jax.Array, DecodeStats]:
+def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: DecodeConfig,
+            affix: AffixCache | None = None, anchors: jax.Array | None = None) -> tuple[jax.Array, DecodeStats]:
+    """The whole generation of one batch. Selective policies need `affix` and `anchors` [B, K]."""
     TRACE_COUNT["decode"] += 1
     model = nnx.merge(graphdef, params)
     mcfg: ModelConfig = model.cfg
@@ -242,20 +193,50 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
     col = jnp.arange(t)[None]
     window = t - g0  # prefix policy: from the block start to the end, padded on the right
     padded = lambda a, fill: jnp.pad(a, ((0, 0), (0, window)), constant_values=fill)
+    take = lambda a, cols: jnp.take_along_axis(a, cols, axis=1)
+
+    if cfg.selective:
+        # Private columns: anchors + every non-affix column (padding included, as invalid tokens):
+        # exactly T - L + K per row, gathered in column order.
+        rows = jnp.arange(b)[:, None]
+        is_affix = batch.affix_columns()
+        is_anchor = jnp.zeros((b, t), bool).at[rows, batch.affix_start[:, None] + anchors].set(True) & is_affix
+        shared = is_affix & ~is_anchor  # read from the affix cache, never recomputed
+        private = jnp.argsort(shared, axis=1, stable=True)[:, : t - batch.affix_len + anchors.shape[1]]
+        compact = jnp.cumsum(~shared, axis=1) - 1  # column -> index among the private columns
+        p_tokens = take(batch.valid, private)
+        anchor_local = jnp.zeros((b, batch.affix_len), bool).at[rows, anchors].set(True)
+        keep = ~anchor_local & (not cfg.drop_non_anchor)
+        affix_view = affix.view(affix_positions(batch), keep)
+        # In-block view: a pool of [shared affix rows; this block start's recomputed rows] per layer.
+        n_private = private.shape[1]
+        slots = jnp.where(shared, col - batch.affix_start[:, None], affix.length + rows * n_private + compact)
+        affix_valid = ~shared if cfg.drop_non_anchor else jnp.ones((b, t), bool)
+
+    def block_start(x, s, idx):
+        """Forward at a block start: (logits for the block, the view in-block steps read, tokens computed)."""
+        in_block = (col >= s) & (col < s + bl)
+        if not cfg.selective:
+            logits, k, v = forward(x, batch.positions, batch.valid, prompt, logit_index=idx)
+            cache_valid = batch.valid & (col < s) if cfg.cache == "prefix" else batch.valid & ~in_block
+            return logits, KVView(k, v, dup(batch.positions), dup(cache_valid)), batch.valid.sum(-1)
+        logit_index = take(compact, idx)
+        logits, k, v = forward(take(x, private), take(batch.positions, private), p_tokens, None,
+                               kv=affix_view, logit_index=logit_index)
+        pool = lambda cached, new: tuple(jnp.concatenate([a, n.reshape(-1, *n.shape[2:])]) for a, n in zip(cached, new))
+        view = KVView(pool(affix.k, k), pool(affix.v, v), batch.positions, batch.valid & ~in_block & affix_valid, slots)
+        return logits, view, p_tokens.sum(-1)
 
     def block_body(blk, carry):
         x, nfe, ftok, calls = carry
         s = g0 + blk * bl
-        in_block = (col >= s) & (col < s + bl)
         masked0 = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mask_id
         sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
         active = masked0.any(-1)
         idx = jnp.broadcast_to(s + jnp.arange(bl), (b, bl))
-        logits, k, v = forward(x, batch.positions, batch.valid, prompt, logit_index=idx)
+        logits, kv, width = block_start(x, s, idx)
         x = commit(x, s, logits, 0, step_keys(nfe), sched, block_start=True)
-        nfe, ftok = nfe + active, ftok + active * batch.valid.sum(-1) * (2 if guided else 1)
-        cache_valid = batch.valid & (col < s) if cfg.cache == "prefix" else batch.valid & ~in_block
-        kv = KVView(k, v, dup(batch.positions), dup(cache_valid))
+        nfe, ftok = nfe + active, ftok + active * width * (2 if guided else 1)
 
         def step_cond(c):
             return (jax.lax.dynamic_slice_in_dim(c[0], s, bl, axis=1) == mask_id).any()
@@ -266,7 +247,7 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
             if cfg.cache == "none":
                 logits, _, _ = forward(x, batch.positions, batch.valid, prompt, logit_index=idx)
                 width = batch.valid.sum(-1)
-            elif cfg.cache == "dual":
+            elif cfg.cache != "prefix":  # dual, acache, direct: the block alone
                 sl = lambda a: jax.lax.dynamic_slice_in_dim(a, s, bl, axis=1)
                 logits, _, _ = forward(sl(x), sl(batch.positions), sl(batch.valid), sl(prompt), kv=kv)
                 width = jnp.full((b,), bl)
@@ -296,37 +277,68 @@ def generate(
     prompts: Sequence[Sequence[int]] | Sequence[Request],
     config: DecodeConfig = DecodeConfig(),
     *,
+    affix: AffixCache | Sequence[int] | None = None,
     max_batch: int = 16,
     progress: bool = False,
 ) -> GenerateResult:
     """Generate for many requests, `max_batch` at a time; results in input order.
 
-    prompts: token-id lists (seed 0 each) or `Request`s. Each request's result is independent of the
-    others it is batched with.
+    prompts: token-id lists (seed 0 each) or `Request`s. affix: the shared affix, as ids or as an
+    `AffixCache` built once with `build_affix_cache` (required by the `acache`/`direct` policies;
+    the other policies compute the affix in place like any other text). A request's result does
+    not depend on the other requests it is batched with.
     """
     config.validate()
     requests = [p if isinstance(p, Request) else Request(list(p)) for p in prompts]
     if not requests:
         raise DecodeError("no prompts given")
-    check_requests(requests, config, model.config)
+    affix_ids = None if affix is None else [int(t) for t in (affix.ids if isinstance(affix, AffixCache) else affix)]
+    check_requests(requests, config.gen_length, model.config, affix_ids)
+    cache, k = None, 0
+    if config.selective:
+        if affix is None:
+            raise DecodeError(f"cache policy {config.cache!r} needs an affix (affix ids or an AffixCache)")
+        if any(r.affix_position is None for r in requests):
+            raise DecodeError(f"cache policy {config.cache!r}: every request needs an affix_position")
+        if config.cfg_scale > 0:
+            raise DecodeError("classifier-free guidance is not supported with selective recompute")
+        cache = affix if isinstance(affix, AffixCache) else build_affix_cache(model, affix_ids)
+        check_affix_cache(model, cache)
+        k = config.anchors(cache.length)
     # Sort by length so that each batch pads little; results are put back in input order.
-    order = sorted(range(len(requests)), key=lambda i: len(requests[i].left) + len(requests[i].right))
+    length = lambda r: sum(map(len, r.parts(affix_ids or [])[:2]))
+    order = sorted(range(len(requests)), key=lambda i: length(requests[i]))
     chunks = [order[i:i + max_batch] for i in range(0, len(order), max_batch)]
     if progress:
         from tqdm.auto import tqdm
 
         chunks = tqdm(chunks, desc="generating", unit="batch")
     tokens: list[Any] = [None] * len(requests)
+    anchors_out: list[Any] = [np.zeros(0, np.int32)] * len(requests)
     nfe, ftok, seconds = (np.zeros(len(requests), dtype) for dtype in (np.int64, np.int64, np.float64))
     calls = 0
+    probe_forwards = config.selector in ("attention", "bottom", "hkvd") and k > 0
     for chunk in chunks:
         start = time.perf_counter()
-        batch = make_batch([requests[i] for i in chunk], config, model.config)
-        out, stats = jax.device_get(decode_batch(model.graphdef, model.params, batch, config))
+        batch = make_batch([requests[i] for i in chunk], config.gen_length, model.config, affix_ids)
+        if config.selective:
+            anchors = (select_anchors_jit(model.graphdef, model.params, batch, cache, k, config.selector,
+                                          model.config.mask_token_id, config.attn_backend)
+                       if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
+            result = decode_batch(model.graphdef, model.params, batch, config, cache, anchors)
+        else:
+            anchors, result = None, decode_batch(model.graphdef, model.params, batch, config)
+        (out, stats), anchors = jax.device_get((result, anchors))
         elapsed = time.perf_counter() - start
         g0 = batch.gen_start
+        row_nfe, row_tokens, batch_calls = np.asarray(stats.nfe), np.asarray(stats.forward_tokens), int(stats.calls)
+        if probe_forwards:  # the probe is one more forward over the request's tokens
+            probed = batch.valid if config.selector == "hkvd" else batch.valid & ~batch.affix_columns()
+            row_nfe, row_tokens, batch_calls = row_nfe + 1, row_tokens + np.asarray(probed.sum(-1)), batch_calls + 1
         for row, i in enumerate(chunk):
             tokens[i] = out[row, g0:g0 + config.gen_length]
-            nfe[i], ftok[i], seconds[i] = stats.nfe[row], stats.forward_tokens[row], elapsed
-        calls += int(stats.calls)
-    return GenerateResult(tokens, nfe, ftok, seconds, calls)
+            nfe[i], ftok[i], seconds[i] = row_nfe[row], row_tokens[row], elapsed
+            if anchors is not None:
+                anchors_out[i] = anchors[row]
+        calls += batch_calls
+    return GenerateResult(tokens, anchors_out, nfe, ftok, seconds, calls)

@@ -17,7 +17,8 @@ import numpy as np
 
 from acache_jax.checkpoint import load
 from acache_jax.config import ConfigError
-from acache_jax.decode import CACHE_POLICIES, DecodeConfig, DecodeError, Request, generate
+from acache_jax.decode import CACHE_POLICIES, DecodeConfig, DecodeError, generate
+from acache_jax.layout import Request, RequestError
 
 # Where a shipped default model would live; used when --model is not given.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[i] = {"tokens": out.tokens[j].tolist(), "text": _text(out.tokens[j], model, stops),
                               "nfe": int(out.nfe[j]), "forward_tokens": int(out.forward_tokens[j]),
                               "seconds": round(float(out.seconds[j]), 4)}
-    except (DecodeError, ConfigError, FileNotFoundError, ValueError) as e:
+    except (RequestError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for r in results:

@@ -10,6 +10,8 @@ RoPE) and V it computed so callers can cache them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 from typing import Any
 
 import jax
@@ -27,6 +29,7 @@ class ForwardOutput:
     # Per layer (a tuple, not a stacked array: stacking would copy every layer's K/V once more):
     k: tuple[jax.Array, ...]  # layers x [B, T, kv_heads, head_dim] keys of the computed tokens, before RoPE
     v: tuple[jax.Array, ...]  # layers x [B, T, kv_heads, head_dim]
+    probe: jax.Array | None = None  # [B, N] float32 anchor-probe importance of each external key
 
 
 class RMSNorm(nnx.Module):
@@ -61,14 +64,14 @@ class Attention(nnx.Module):
         self.o = Linear(cfg.num_heads * hd, d, False, dtype, rngs)
         self.cfg = cfg
 
-    def __call__(self, x, positions, valid, kv, layer, backend):
+    def __call__(self, x, positions, valid, kv, layer, backend, probe):
         cfg = self.cfg
         b, t, _ = x.shape
         q = self.q(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = self.k(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = self.v(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        out = attend(q, k, v, positions, valid, kv, layer, cfg.rope_theta, backend)
-        return self.o(out.reshape(b, t, -1)), k, v
+        out, scores = attend(q, k, v, positions, valid, kv, layer, cfg.rope_theta, backend, probe)
+        return self.o(out.reshape(b, t, -1)), k, v, scores
 
 
 class MLP(nnx.Module):
@@ -88,10 +91,10 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, valid, kv, layer, backend):
-        h, k, v = self.attn(self.attn_norm(x), positions, valid, kv, layer, backend)
+    def __call__(self, x, positions, valid, kv, layer, backend, probe):
+        h, k, v, scores = self.attn(self.attn_norm(x), positions, valid, kv, layer, backend, probe)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), k, v
+        return x + self.mlp(self.mlp_norm(x)), k, v, scores
 
 
 class Transformer(nnx.Module):
@@ -114,6 +117,7 @@ class Transformer(nnx.Module):
         logit_index: jax.Array | None = None,
         with_logits: bool = True,
         attn_backend: str = "xla",
+        probe: jax.Array | None = None,
     ) -> ForwardOutput:
         """Forward over the given tokens.
 
@@ -123,17 +127,22 @@ class Transformer(nnx.Module):
         Dream's shift is along the T axis of this call: logits at index j come from index j-1
         (index 0 keeps its own), exactly as upstream shifts the logits of whatever it computed.
         attn_backend: "xla" (plain jnp, any device) or "cudnn" (fused GPU kernel, bf16).
+        probe: [B, T] bool, the queries of ACache's anchor probe: the output's `probe` is then, per
+        external key, their attention over the external keys alone, summed over layers and heads.
         """
         if valid is None:
             valid = jnp.ones(token_ids.shape, bool)
         x = jnp.take(self.embed[...], token_ids, axis=0)
         ks, vs = [], []
+        importance = None
         # A Python loop, unrolled under jit: a scan over stacked layers copies each layer's
         # weights through dynamic slices, which doubles the latency of small decode forwards.
         for layer, block in enumerate(self.layers):
-            x, k, v = block(x, positions, valid, kv, layer, attn_backend)
+            x, k, v, scores = block(x, positions, valid, kv, layer, attn_backend, probe)
             ks.append(k)
             vs.append(v)
+            if scores is not None:
+                importance = scores if importance is None else importance + scores
         logits = None
         if with_logits:
             idx = logit_index
@@ -145,7 +154,7 @@ class Transformer(nnx.Module):
                 x = jnp.take_along_axis(x, idx[..., None], axis=1)
             h = self.final_norm(x)
             logits = jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
-        return ForwardOutput(logits, tuple(ks), tuple(vs))
+        return ForwardOutput(logits, tuple(ks), tuple(vs), importance)
 
 
 def abstract_transformer(cfg: ModelConfig, dtype: Any) -> Transformer:
@@ -172,6 +181,14 @@ class Model:
     def from_module(cls, module: Transformer, tokenizer: Any = None) -> Model:
         graphdef, params = nnx.split(module)
         return cls(module.cfg, graphdef, params, tokenizer)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Identifies config and weights (a digest of a few weight sums): caches built from this model
+        carry it, so that a cache is never used with another model."""
+        leaves = jax.tree.leaves(self.params)
+        sums = jax.device_get([jnp.sum(leaf.astype(jnp.float32)) for leaf in (leaves[0], leaves[len(leaves) // 2], leaves[-1])])
+        return hashlib.sha256(repr((self.config, [float(x) for x in sums])).encode()).hexdigest()[:16]
 
     @property
     def dtype(self) -> jnp.dtype:

@@ -26,7 +26,8 @@ from flax import nnx
 
 from acache_jax.attention import KVView, cudnn_attention, dense_attention
 from acache_jax.config import ModelConfig
-from acache_jax.decode import DecodeConfig, Request, decode_batch, make_batch
+from acache_jax.decode import DecodeConfig, decode_batch
+from acache_jax.layout import Request, make_batch
 from acache_jax.model import Model, abstract_transformer, forward
 
 PEAK_TFLOPS = 800.0  # bf16 dense matmul measured on one H200 (8192^3 product, random data)
@@ -134,7 +135,7 @@ def main() -> None:
                 dcfg = DecodeConfig(gen_length=g, block_length=bl, steps=args.steps, threshold=None, cache=policy,
                                     attn_backend=args.backend)
                 reqs = [Request(rng.integers(0, 126000, p).tolist(), seed=i) for i in range(b)]
-                batch = make_batch(reqs, dcfg, cfg)
+                batch = make_batch(reqs, g, cfg)
                 jobs[(policy, b, p)] = (decode_batch.lower(model.graphdef, model.params, batch, dcfg),
                                         (model.graphdef, model.params, batch, dcfg))
     start = time.perf_counter()

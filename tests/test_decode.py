@@ -5,7 +5,8 @@ import pytest
 
 import acache_jax
 from acache_jax import decode
-from acache_jax.decode import DecodeConfig, DecodeError, Request, generate
+from acache_jax.decode import DecodeConfig, DecodeError, generate
+from acache_jax.layout import Request, RequestError
 
 PROMPTS = [[5, 17, 33, 2, 90], [11, 3, 3, 64, 101, 7, 45, 19, 8, 100, 2], [23, 99], [1, 2, 3, 4, 5, 6, 7]]
 
@@ -82,12 +83,12 @@ def test_bad_settings(llada, kwargs, message):
 
 
 def test_bad_requests(llada):
-    with pytest.raises(DecodeError, match="request 1: empty prompt"):
+    with pytest.raises(RequestError, match="request 1: empty prompt"):
         generate(llada, [PROMPTS[0], []], DecodeConfig(gen_length=16, block_length=8))
     too_long = [1] * (llada.config.max_seq_len - 10)
-    with pytest.raises(DecodeError, match="exceeds the model's context of 256"):
+    with pytest.raises(RequestError, match="exceeds the model's context of 256"):
         generate(llada, [too_long], DecodeConfig(gen_length=16, block_length=8))
-    with pytest.raises(DecodeError, match="outside the vocabulary"):
+    with pytest.raises(RequestError, match="outside the vocabulary"):
         generate(llada, [[1, 500]], DecodeConfig(gen_length=16, block_length=8))
-    with pytest.raises(DecodeError, match="no prompts"):
+    with pytest.raises(RequestError, match="no prompts"):
         generate(llada, [], DecodeConfig())
