@@ -1,0 +1,195 @@
+"""ACache: invariants on tiny fp32 models, a plain-jnp oracle for the anchor probe, bad input."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import acache_jax
+from acache_jax.acache import build_affix_cache, probe_importance
+from acache_jax.decode import DecodeConfig, generate
+from acache_jax.layout import Request, RequestError, make_batch
+
+AFFIX = list(range(30, 54))  # 24 tokens
+REQUESTS = [
+    Request([5, 17, 33, 2, 90], affix_position="prefix"),
+    Request([11, 3, 3, 64], tail=[7, 8, 9], affix_position="infix"),
+    Request([23, 99, 54], affix_position="suffix"),
+    Request([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], tail=[12], affix_position="infix"),
+]
+BASE = dict(gen_length=16, block_length=8, threshold=0.9)
+
+
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def model(request, fixtures_dir):
+    return acache_jax.load(fixtures_dir / "decode" / request.param, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def cache(model):
+    return build_affix_cache(model, AFFIX)
+
+
+def _tokens(result):
+    return [t.tolist() for t in result.tokens]
+
+
+def test_ratio_one_is_the_dual_cache_baseline(model, cache):
+    dual = generate(model, REQUESTS, DecodeConfig(cache="dual", **BASE), affix=AFFIX)
+    full = generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=1.0, **BASE), affix=cache)
+    assert _tokens(full) == _tokens(dual)
+    assert all(len(a) == len(AFFIX) for a in full.anchors)
+
+
+def test_ratio_zero_is_direct_reuse(model, cache):
+    zero = generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=0.0, **BASE), affix=cache)
+    direct = generate(model, REQUESTS, DecodeConfig(cache="direct", **BASE), affix=cache)
+    assert _tokens(zero) == _tokens(direct)
+    assert (zero.nfe == direct.nfe).all() and (zero.forward_tokens == direct.forward_tokens).all()
+
+
+@pytest.mark.parametrize("selector", ["attention", "hkvd", "random", "bottom"])
+def test_each_row_equals_the_request_alone(model, cache, selector):
+    config = DecodeConfig(cache="acache", anchor_ratio=0.2, selector=selector, **BASE)
+    batched = generate(model, REQUESTS, config, affix=cache)
+    k = math.ceil(0.2 * len(AFFIX))
+    for i, r in enumerate(REQUESTS):
+        alone = generate(model, [r], config, affix=cache)
+        assert batched.tokens[i].tolist() == alone.tokens[0].tolist()
+        assert batched.anchors[i].tolist() == alone.anchors[0].tolist()
+        assert len(alone.anchors[0]) == k and list(alone.anchors[0]) == sorted(set(alone.anchors[0]))
+        assert batched.nfe[i] == alone.nfe[0]
+
+
+def test_one_affix_cache_serves_every_offset(model, cache):
+    """K before RoPE is independent of where the span sits and attention depends on relative
+    positions only: the cache built at positions 0.. equals one built at the request's own offset."""
+    at_offset = model.forward(jnp.asarray([AFFIX]), 37 + jnp.arange(len(AFFIX))[None], with_logits=False)
+    for layer in range(model.config.num_layers):
+        np.testing.assert_allclose(cache.k[layer], at_offset.k[layer][0], atol=1e-5)
+        np.testing.assert_allclose(cache.v[layer], at_offset.v[layer][0], atol=1e-5)
+    # Infix requests with the affix at offsets 4 and 11 in one batch, both from the one cache.
+    config = DecodeConfig(cache="direct", **BASE)
+    both = generate(model, [REQUESTS[1], REQUESTS[3]], config, affix=cache)
+    for i, r in enumerate([REQUESTS[1], REQUESTS[3]]):
+        assert both.tokens[i].tolist() == generate(model, [r], config, affix=cache).tokens[0].tolist()
+
+
+def _oracle_importance(model, request):
+    """Plain-jnp re-derivation of the probe (paper eq. 4-5) from the parameter tree: the request's
+    non-affix tokens run layer by layer against the affix-alone K/V; at each layer the mask queries'
+    softmax over affix keys only is summed over queries and heads."""
+    cfg = model.config
+    p = nnx.to_pure_dict(model.params)
+    left, right, offset = request.parts(AFFIX)
+    seq = left + [cfg.mask_token_id] * BASE["gen_length"] + right
+    start = offset if offset >= 0 else len(left) + BASE["gen_length"]
+    affix_pos = np.arange(start, start + len(AFFIX))
+    own_pos = np.array([i for i in range(len(seq)) if not start <= i < start + len(AFFIX)])
+    own = jnp.asarray([seq[i] for i in own_pos])
+    group, scale = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim ** -0.5
+
+    def rope(x, pos):
+        half = cfg.head_dim // 2
+        ang = np.asarray(pos)[:, None] / cfg.rope_theta ** (np.arange(half) * 2 / cfg.head_dim)
+        ang = np.concatenate([ang, ang], -1)[:, None]
+        return x * np.cos(ang) + jnp.concatenate([-x[..., half:], x[..., :half]], -1) * np.sin(ang)
+
+    def norm(x, w):
+        return w * x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
+
+    def proj(x, lin):
+        return x @ lin["kernel"] + (lin["bias"] if "bias" in lin else 0)
+
+    def layer_forward(x, pos, layer, ext=None):
+        """One block; ext = (k, v, positions) of external keys. Returns (x', rotated q, k, v)."""
+        h = norm(x, layer["attn_norm"]["weight"])
+        heads = lambda y, n: y.reshape(len(x), n, cfg.head_dim)
+        q = rope(heads(proj(h, layer["attn"]["q"]), cfg.num_heads), pos)
+        k, v = heads(proj(h, layer["attn"]["k"]), cfg.num_kv_heads), heads(proj(h, layer["attn"]["v"]), cfg.num_kv_heads)
+        keys, values = rope(k, pos), v
+        if ext is not None:
+            keys, values = jnp.concatenate([rope(ext[0], ext[2]), keys]), jnp.concatenate([ext[1], values])
+        att = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, jnp.repeat(keys, group, 1)) * scale, -1)
+        x = x + proj(jnp.einsum("hqk,khd->qhd", att, jnp.repeat(values, group, 1)).reshape(len(x), -1), layer["attn"]["o"])
+        m = norm(x, layer["mlp_norm"]["weight"])
+        return x + proj(jax.nn.silu(proj(m, layer["mlp"]["gate"])) * proj(m, layer["mlp"]["up"]), layer["mlp"]["down"]), q, k, v
+
+    a = jnp.take(p["embed"], jnp.asarray(AFFIX), axis=0)
+    x = jnp.take(p["embed"], own, axis=0)
+    is_mask = (own == cfg.mask_token_id).astype(jnp.float32)
+    total = jnp.zeros(len(AFFIX))
+    for i in range(cfg.num_layers):
+        layer = p["layers"][i]
+        a, _, ka, va = layer_forward(a, np.arange(len(AFFIX)), layer)  # the affix alone, positions 0..L-1
+        x, q, _, _ = layer_forward(x, own_pos, layer, ext=(ka, va, affix_pos))
+        probs = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, jnp.repeat(rope(ka, affix_pos), group, 1)) * scale, -1)
+        total = total + jnp.einsum("hqk,q->k", probs, is_mask)
+    return np.asarray(total)
+
+
+def test_attention_selector_matches_a_plain_oracle(model, cache):
+    batch = make_batch(REQUESTS, BASE["gen_length"], model.config, AFFIX)
+    ours = np.asarray(probe_importance(model.graphdef, model.params, batch, cache, model.config.mask_token_id))
+    k = math.ceil(0.2 * len(AFFIX))
+    result = generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=0.2, **BASE), affix=cache)
+    for i, r in enumerate(REQUESTS):
+        oracle = _oracle_importance(model, r)
+        np.testing.assert_allclose(ours[i], oracle, rtol=1e-4, atol=1e-4)
+        assert result.anchors[i].tolist() == sorted(np.argsort(-oracle, kind="stable")[:k].tolist())
+        assert oracle.sum() > 0
+
+
+def test_recompute_forward_width_is_anchors_plus_private(model, cache):
+    """The block-start recompute computes K + non-affix tokens, not L + non-affix (fixed schedule:
+    one token per step, 2 blocks of 8, so 2 recomputes, 14 block steps, 1 probe)."""
+    r = REQUESTS[0]
+    steps = dict(gen_length=16, block_length=8, threshold=None, steps=16)
+    non_affix = len(r.prompt) + 16
+    for ratio in (0.0, 0.2, 0.5):
+        k = math.ceil(ratio * len(AFFIX))
+        out = generate(model, [r], DecodeConfig(cache="acache", anchor_ratio=ratio, **steps), affix=cache)
+        probe = non_affix if k else 0
+        assert out.forward_tokens[0] == probe + 2 * (k + non_affix) + 14 * 8
+        assert out.nfe[0] == 16 + (1 if k else 0)
+    dual = generate(model, [r], DecodeConfig(cache="dual", **steps), affix=AFFIX)
+    assert dual.forward_tokens[0] == 2 * (len(AFFIX) + non_affix) + 14 * 8
+
+
+def test_drop_non_anchor_differs_and_keeps_anchors(model, cache):
+    keep = generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=0.2, **BASE), affix=cache)
+    drop = generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=0.2, drop_non_anchor=True, **BASE),
+                    affix=cache)
+    assert [a.tolist() for a in keep.anchors] == [a.tolist() for a in drop.anchors]
+    assert _tokens(keep) != _tokens(drop)
+    full_drop = generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=1.0, drop_non_anchor=True, **BASE),
+                         affix=cache)
+    dual = generate(model, REQUESTS, DecodeConfig(cache="dual", **BASE), affix=AFFIX)
+    assert _tokens(full_drop) == _tokens(dual)  # nothing to drop when every affix token is an anchor
+
+
+def test_bad_input(model, cache, fixtures_dir):
+    acache = DecodeConfig(cache="acache", **BASE)
+    with pytest.raises(RequestError, match="the affix is empty"):
+        build_affix_cache(model, [])
+    with pytest.raises(RequestError, match="more than the model's context"):
+        build_affix_cache(model, [1] * (model.config.max_seq_len + 1))
+    with pytest.raises(RequestError, match="exceeds the model's context"):
+        generate(model, [Request([1] * 230, affix_position="prefix")], acache, affix=cache)
+    with pytest.raises(RequestError, match=r"anchor ratio must be in \[0, 1\]"):
+        generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=1.5, **BASE), affix=cache)
+    with pytest.raises(RequestError, match="infix affix needs a prompt tail"):
+        generate(model, [Request([1, 2], affix_position="infix")], acache, affix=cache)
+    with pytest.raises(RequestError, match="affix_position 'prefix' given but no affix"):
+        generate(model, REQUESTS, acache)
+    with pytest.raises(RequestError, match="cache policy 'acache' needs an affix"):
+        generate(model, [Request([1, 2])], acache)
+    with pytest.raises(RequestError, match="every request needs an affix_position"):
+        generate(model, [Request([1, 2])], acache, affix=cache)
+    other = acache_jax.load(fixtures_dir / "models" / ("llada_mha" if model.config.family == "llada" else "dream_gqa"),
+                            dtype="float32")
+    with pytest.raises(RequestError, match="built with another model"):
+        generate(other, [Request([1, 2], affix_position="prefix")], acache, affix=cache)
