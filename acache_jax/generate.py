@@ -2,7 +2,11 @@
 
 Requests come from --prompt / --prompt-ids, or one per line of --input FILE.jsonl, where each line is
 an object whose keys are the flag names without dashes (`-` as `_`) and override the flags for that
-request. Requests with equal decoding settings are batched; output lines keep input order.
+request. Requests with equal decoding settings and affix are batched; output lines keep input order.
+
+A shared affix (--affix TEXT or --affix-ids) is placed as prefix ([affix][prompt]), infix
+([prompt][affix][prompt tail]) or suffix ([prompt][generation][affix]). With an affix, texts are
+tokenized as plain spans (no chat template, no BOS) so that the pieces join exactly.
 """
 
 from __future__ import annotations
@@ -15,17 +19,20 @@ from typing import Any
 
 import numpy as np
 
+from acache_jax.acache import SELECTORS, build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ConfigError
 from acache_jax.decode import CACHE_POLICIES, DecodeConfig, DecodeError, generate
-from acache_jax.layout import Request, RequestError
+from acache_jax.layout import AFFIX_POSITIONS, Request, RequestError
 
 # Where a shipped default model would live; used when --model is not given.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 # Per-request keys of --input lines that map onto DecodeConfig fields.
-DECODE_KEYS = {"gen_length", "block_length", "steps", "threshold", "factor", "temperature", "cache"}
-REQUEST_KEYS = {"prompt", "prompt_ids", "seed", "no_chat"} | DECODE_KEYS
+DECODE_KEYS = {"gen_length", "block_length", "steps", "threshold", "factor", "temperature", "cache",
+               "anchor_ratio", "selector", "drop_non_anchor"}
+TEXT_KEYS = {"prompt", "prompt_ids", "affix", "affix_ids", "prompt_tail", "prompt_tail_ids"}
+REQUEST_KEYS = TEXT_KEYS | {"seed", "no_chat", "affix_position"} | DECODE_KEYS
 
 
 def _threshold(text: str) -> float | None:
@@ -48,13 +55,24 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_ids, help="raw prompt token ids, e.g. 1,2,3 (no template, no BOS)")
     src.add_argument("--input", type=Path, help="JSONL file, one request object per line")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template to --prompt")
+    affix = p.add_mutually_exclusive_group()
+    affix.add_argument("--affix", help="shared affix text")
+    affix.add_argument("--affix-ids", type=_ids, help="shared affix token ids")
+    p.add_argument("--affix-position", choices=AFFIX_POSITIONS, default="prefix")
+    tail = p.add_mutually_exclusive_group()
+    tail.add_argument("--prompt-tail", help="infix: the prompt text after the affix")
+    tail.add_argument("--prompt-tail-ids", type=_ids, help="infix: the prompt token ids after the affix")
     p.add_argument("--gen-length", type=int, default=256)
     p.add_argument("--block-length", type=int, default=32)
     p.add_argument("--steps", type=int, default=None, help="fixed-schedule steps (default: gen length)")
     p.add_argument("--threshold", type=_threshold, default=0.9, help="confidence threshold, or 'none' for the schedule")
     p.add_argument("--factor", type=float, default=None, help="Fast-dLLM factor rule instead of the threshold")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--cache", choices=CACHE_POLICIES, default="dual")
+    p.add_argument("--cache", choices=CACHE_POLICIES, default="dual",
+                   help="none | prefix | dual (Fast-dLLM) | acache (anchors recomputed) | direct (affix cache as is)")
+    p.add_argument("--anchor-ratio", type=float, default=0.2, help="acache: anchors per affix token")
+    p.add_argument("--selector", choices=SELECTORS, default="attention", help="acache: how anchors are chosen")
+    p.add_argument("--drop-non-anchor", action="store_true", help="acache DropNA ablation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16, help="largest batch to run at once")
     p.add_argument("--backend", default="xla", choices=["xla", "cudnn"], help="attention backend")
@@ -66,7 +84,7 @@ def _requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.input is None:
         if args.prompt is None and args.prompt_ids is None:
             raise DecodeError("give --prompt TEXT, --prompt-ids 1,2,3 or --input FILE.jsonl")
-        return [{"prompt": args.prompt, "prompt_ids": args.prompt_ids}]
+        return [{}]
     lines = []
     for n, line in enumerate(args.input.read_text().splitlines(), 1):
         if not line.strip():
@@ -83,18 +101,39 @@ def _requests(args: argparse.Namespace) -> list[dict[str, Any]]:
     return lines
 
 
-def _encode(req: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> list[int]:
-    if req.get("prompt_ids") is not None:
-        return [int(t) for t in req["prompt_ids"]]
-    text = req.get("prompt")
+def _field(req: dict[str, Any], args: argparse.Namespace, key: str) -> Any:
+    """A request's value for `key`: its own line's, else the flag's."""
+    return req[key] if key in req else getattr(args, key)
+
+
+def _span(req, args, tokenizer, text_key: str, ids_key: str) -> list[int] | None:
+    """Token ids of a plain text span (no template, no BOS) or the given ids; None if neither."""
+    ids, text = _field(req, args, ids_key), _field(req, args, text_key)
+    if ids is not None and (ids_key in req or text_key not in req):
+        return [int(t) for t in ids]
+    if text is None:
+        return None
+    if tokenizer is None:
+        raise DecodeError(f"this model ships no tokenizer: give token ids ({ids_key})")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _encode(req: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[list[int], list[int] | None, list[int]]:
+    """(prompt ids, affix ids or None, prompt tail ids) of one request."""
+    affix = _span(req, args, tokenizer, "affix", "affix_ids")
+    tail = _span(req, args, tokenizer, "prompt_tail", "prompt_tail_ids") or []
+    ids, text = _field(req, args, "prompt_ids"), _field(req, args, "prompt")
+    if ids is not None and ("prompt_ids" in req or "prompt" not in req):
+        return [int(t) for t in ids], affix, tail
     if text is None:
         raise DecodeError("a request has neither prompt nor prompt_ids")
     if tokenizer is None:
         raise DecodeError("this model ships no tokenizer: give token ids (--prompt-ids / prompt_ids)")
-    if not req.get("no_chat", args.no_chat) and getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))
-    return tokenizer(text)["input_ids"]
+    if affix is None and not _field(req, args, "no_chat") and getattr(tokenizer, "chat_template", None):
+        chat = [{"role": "user", "content": text}]
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)), affix, tail
+    return tokenizer(text, add_special_tokens=affix is None)["input_ids"], affix, tail
 
 
 def _stop_ids(model) -> set[int]:
@@ -123,23 +162,31 @@ def main(argv: list[str] | None = None) -> int:
                               "pass --model DIR (an HF LLaDA/Dream snapshot or a converted checkpoint)")
         model = load(path, dtype=args.dtype)
         reqs = _requests(args)
-        base = {k: getattr(args, k) for k in DECODE_KEYS}
-        groups: dict[DecodeConfig, list[tuple[int, Request]]] = {}
+        groups: dict[tuple, list[tuple[int, Request]]] = {}
         for i, req in enumerate(reqs):
-            settings = {**base, **{k: req[k] for k in DECODE_KEYS if k in req}}
-            config = DecodeConfig(**settings, attn_backend=args.backend)
+            config = DecodeConfig(**{k: _field(req, args, k) for k in DECODE_KEYS}, attn_backend=args.backend)
             config.validate()
-            request = Request(_encode(req, args, model.tokenizer), seed=req.get("seed", args.seed))
-            groups.setdefault(config, []).append((i, request))
+            prompt, affix, tail = _encode(req, args, model.tokenizer)
+            position = _field(req, args, "affix_position") if affix is not None else None
+            request = Request(prompt, tail=tail, affix_position=position, seed=_field(req, args, "seed"))
+            groups.setdefault((config, None if affix is None else tuple(affix)), []).append((i, request))
         results: list[dict[str, Any]] = [{} for _ in reqs]
         stops = _stop_ids(model)
-        for config, members in groups.items():
-            out = generate(model, [r for _, r in members], config, max_batch=args.batch_size,
+        caches: dict[tuple[int, ...], Any] = {}  # one affix cache per distinct affix, shared by its groups
+        for (config, affix), members in groups.items():
+            shared = None
+            if affix is not None:
+                shared = caches.get(affix) if config.selective else list(affix)
+                if shared is None:
+                    shared = caches[affix] = build_affix_cache(model, affix)
+            out = generate(model, [r for _, r in members], config, affix=shared, max_batch=args.batch_size,
                            progress=len(members) > args.batch_size)
             for j, (i, _) in enumerate(members):
                 results[i] = {"tokens": out.tokens[j].tolist(), "text": _text(out.tokens[j], model, stops),
                               "nfe": int(out.nfe[j]), "forward_tokens": int(out.forward_tokens[j]),
                               "seconds": round(float(out.seconds[j]), 4)}
+                if config.selective:
+                    results[i]["anchors"] = out.anchors[j].tolist()
     except (RequestError, ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -148,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(r))
         else:
             shown = r["text"] if r["text"] is not None else " ".join(map(str, r["tokens"]))
-            print(f"{shown}\n[nfe {r['nfe']}, forward tokens {r['forward_tokens']}, {r['seconds']:.2f} s]")
+            anchors = f", anchors {r['anchors']}" if "anchors" in r else ""
+            print(f"{shown}\n[nfe {r['nfe']}, forward tokens {r['forward_tokens']}, {r['seconds']:.2f} s{anchors}]")
     return 0
 
 

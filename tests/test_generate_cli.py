@@ -66,16 +66,16 @@ def test_jsonl_batch_overrides_and_order(capsys, model_dir, tmp_path):
 
 
 def test_chat_template_and_text(capsys, model_with_tokenizer):
-    import argparse
-
     from acache_jax.checkpoint import load_tokenizer
-    from acache_jax.generate import _encode
+    from acache_jax.generate import _encode, parser
 
     tok = load_tokenizer(model_with_tokenizer)
-    chat, plain = argparse.Namespace(no_chat=False), argparse.Namespace(no_chat=True)
-    assert _encode({"prompt": "w1 w2 w3"}, chat, tok) == [2, 5, 6, 7, 3]  # USER w1 w2 w3 ASSISTANT
-    assert _encode({"prompt": "w1 w2 w3"}, plain, tok) == [5, 6, 7]
-    assert _encode({"prompt": "w1", "prompt_ids": [9, 8]}, chat, tok) == [9, 8]  # raw ids: no template
+    chat, plain = parser().parse_args([]), parser().parse_args(["--no-chat"])
+    assert _encode({"prompt": "w1 w2 w3"}, chat, tok) == ([2, 5, 6, 7, 3], None, [])  # USER w1 w2 w3 ASSISTANT
+    assert _encode({"prompt": "w1 w2 w3"}, plain, tok)[0] == [5, 6, 7]
+    assert _encode({"prompt": "w1", "prompt_ids": [9, 8]}, chat, tok)[0] == [9, 8]  # raw ids: no template
+    # with an affix, every piece is a plain span: no template, no BOS
+    assert _encode({"prompt": "w1", "affix": "w2 w3", "prompt_tail": "w4"}, chat, tok) == ([5], [6, 7], [8])
     code, out, err = _run(capsys, "--model", model_with_tokenizer, "--prompt", "w1 w2 w3", "--json", *FAST)
     assert code == 0, err
     row = json.loads(out)
@@ -83,6 +83,29 @@ def test_chat_template_and_text(capsys, model_with_tokenizer):
     end = next((i for i, t in enumerate(row["tokens"]) if t in stops), 16)
     expected = tok.decode([t for t in row["tokens"][:end]], skip_special_tokens=True)
     assert row["text"] == expected
+
+
+def test_affix_flags_and_anchors(capsys, model_dir, tmp_path):
+    affix = ",".join(str(t) for t in range(30, 50))
+    code, out, err = _run(capsys, "--model", model_dir, "--prompt-ids", "5,17,33", "--affix-ids", affix,
+                          "--cache", "acache", "--anchor-ratio", "0.2", "--json", *FAST)
+    assert code == 0, err
+    row = json.loads(out)
+    assert len(row["anchors"]) == 4 and row["anchors"] == sorted(row["anchors"])
+    lines = [{"prompt_ids": [5, 17, 33], "affix_ids": list(range(30, 50)), "affix_position": "infix",
+              "prompt_tail_ids": [7, 8], "cache": "acache"},
+             {"prompt_ids": [5, 17, 33], "affix_ids": list(range(30, 50)), "affix_position": "suffix",
+              "cache": "direct"},
+             {"prompt_ids": [5, 17, 33], "affix_ids": list(range(30, 50)), "cache": "dual"}]
+    path = tmp_path / "affix.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    code, out, err = _run(capsys, "--model", model_dir, "--input", str(path), "--json", *FAST)
+    assert code == 0, err
+    rows = [json.loads(x) for x in out.splitlines()]
+    assert len(rows[0]["anchors"]) == 4 and rows[1]["anchors"] == [] and "anchors" not in rows[2]
+    code, _, err = _run(capsys, "--model", model_dir, "--prompt-ids", "5", "--affix-ids", affix,
+                        "--affix-position", "infix", *FAST)
+    assert code == 2 and "needs a prompt tail" in err
 
 
 @pytest.mark.parametrize("argv,message", [
