@@ -1,0 +1,50 @@
+"""Anchor-probe cost at LLaDA-8B shape (random bf16 weights), per request, batch 1 and 16.
+
+    python -m eval.bench_acache_probe [--layers 32] [--affix 400] [--prompt 100] [--batches 1,16]
+
+The probe is one forward over a request's non-affix tokens (prompt + gen_length masks) against the
+shared affix K/V, scoring affix keys by the mask queries' attention (see acache_jax/acache.py), then
+top-K. Reported: median time of the jitted selection per batch, and per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import jax
+import numpy as np
+
+from acache_jax.acache import build_affix_cache, select_anchors_jit
+from acache_jax.layout import Request, make_batch
+from eval.bench_decode import llada_8b, median_seconds, random_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--affix", type=int, default=400, help="affix tokens (about a 2-shot GSM8K prompt)")
+    parser.add_argument("--prompt", type=int, default=100)
+    parser.add_argument("--gen", type=int, default=256)
+    parser.add_argument("--ratio", type=float, default=0.2)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--backend", default="cudnn")
+    args = parser.parse_args()
+    cfg = llada_8b(args.layers)
+    model = random_model(cfg)
+    rng = np.random.default_rng(0)
+    affix = build_affix_cache(model, rng.integers(0, 126000, args.affix).tolist())
+    k = math.ceil(args.ratio * args.affix)
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; affix {args.affix}, prompt {args.prompt}, "
+          f"gen {args.gen}, K {k}")
+    for b in [int(x) for x in args.batches.split(",")]:
+        reqs = [Request(rng.integers(0, 126000, args.prompt).tolist(), affix_position="prefix") for _ in range(b)]
+        batch = make_batch(reqs, args.gen, cfg, [int(t) for t in affix.ids])
+        fn = lambda: select_anchors_jit(model.graphdef, model.params, batch, affix, k, "attention",
+                                        cfg.mask_token_id, args.backend)
+        sec = median_seconds(fn)
+        print(f"| {b} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
