@@ -4,7 +4,6 @@ tests/fixtures/generate_decode_fixtures.py from Fast-dLLM's and LLaDA's generate
 import itertools
 import json
 
-import numpy as np
 import pytest
 
 import acache_jax

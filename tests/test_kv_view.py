@@ -1,6 +1,5 @@
 """The model forward with an external KVView computes what the full forward computes."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
