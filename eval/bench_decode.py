@@ -5,8 +5,10 @@
 1. Per call: the block-start full forward (T = prompt + 256 tokens, logits for one 32-token block,
    K/V of every position returned) and the dual-cache in-block forward (32 tokens against a cached
    K/V of T positions), median time, TFLOP/s and MFU against 800 TFLOP/s (the measured H200 bf16 rate).
-2. End to end: `none`, `prefix` and `dual` over the same prompts with a fixed commit schedule
-   (threshold off, `--steps` steps: every policy does the same NFE), tokens/s and MFU.
+2. End to end: the `--policies` over the same prompts with a fixed commit schedule (threshold off,
+   `--steps` steps: every policy does the same NFE), tokens/s and MFU. With `--affix N`, every
+   request carries the same N-token prefix affix (random ids), and `acache`/`direct` decode from its
+   shared cache (anchors selected beforehand; the probe is timed by eval.bench_acache_probe).
 All programs are lowered first and compiled in parallel threads, then run one after another.
 """
 
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from acache_jax.acache import build_affix_cache, select_anchors_jit
 from acache_jax.attention import KVView, cudnn_attention, dense_attention
 from acache_jax.config import ModelConfig
 from acache_jax.decode import DecodeConfig, decode_batch
@@ -95,6 +98,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="fixed schedule: gen/steps tokens per forward")
     parser.add_argument("--backend", default="cudnn")
     parser.add_argument("--threads", type=int, default=8, help="parallel compilations")
+    parser.add_argument("--affix", type=int, default=0, help="tokens of a shared prefix affix (0: none)")
+    parser.add_argument("--ratio", type=float, default=0.2, help="acache anchor ratio")
+    parser.add_argument("--per-call", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
@@ -120,24 +126,35 @@ def main() -> None:
     # ---- lower everything, compile in parallel ----
     jobs = {}
     rng = np.random.default_rng(0)
+    affix_ids = rng.integers(0, 126000, args.affix).tolist() if args.affix else None
+    affix = build_affix_cache(model, affix_ids) if affix_ids else None
     for b in batches:
         for p in prompts:
-            t = p + g
-            ids = jnp.asarray(rng.integers(0, 126000, (b, t)), jnp.int32)
-            pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-            kshape = (jax.ShapeDtypeStruct((b, t, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.num_layers
-            jobs[("full", b, p)] = (jax.jit(full).lower(model.params, ids, pos), (model.params, ids, pos))
-            bids, bpos = ids[:, p:p + bl], pos[:, p:p + bl]
-            kvalid = jnp.ones((b, t), bool).at[:, p:p + bl].set(False)
-            jobs[("block", b, p)] = (jax.jit(block).lower(model.params, bids, bpos, kshape, kshape, pos, kvalid),
-                                     (model.params, bids, bpos, None, None, pos, kvalid))
+            t = p + g + args.affix
+            if args.per_call:
+                ids = jnp.asarray(rng.integers(0, 126000, (b, t)), jnp.int32)
+                pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+                kshape = (jax.ShapeDtypeStruct((b, t, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.num_layers
+                jobs[("full", b, p)] = (jax.jit(full).lower(model.params, ids, pos), (model.params, ids, pos))
+                bids, bpos = ids[:, p:p + bl], pos[:, p:p + bl]
+                kvalid = jnp.ones((b, t), bool).at[:, p:p + bl].set(False)
+                jobs[("block", b, p)] = (jax.jit(block).lower(model.params, bids, bpos, kshape, kshape, pos, kvalid),
+                                         (model.params, bids, bpos, None, None, pos, kvalid))
             for policy in policies:
                 dcfg = DecodeConfig(gen_length=g, block_length=bl, steps=args.steps, threshold=None, cache=policy,
-                                    attn_backend=args.backend)
-                reqs = [Request(rng.integers(0, 126000, p).tolist(), seed=i) for i in range(b)]
-                batch = make_batch(reqs, g, cfg)
-                jobs[(policy, b, p)] = (decode_batch.lower(model.graphdef, model.params, batch, dcfg),
-                                        (model.graphdef, model.params, batch, dcfg))
+                                    anchor_ratio=args.ratio, attn_backend=args.backend)
+                placement = "prefix" if affix_ids else None
+                reqs = [Request(rng.integers(0, 126000, p).tolist(), affix_position=placement, seed=i) for i in range(b)]
+                batch = make_batch(reqs, g, cfg, affix_ids)
+                extra = ()
+                if dcfg.selective:
+                    k = dcfg.anchors(args.affix)
+                    anchors = (select_anchors_jit(model.graphdef, model.params, batch, affix, k, "attention",
+                                                  cfg.mask_token_id, args.backend) if k else
+                               jnp.zeros((b, 0), jnp.int32))
+                    extra = (affix, anchors)
+                jobs[(policy, b, p)] = (decode_batch.lower(model.graphdef, model.params, batch, dcfg, *extra),
+                                        (model.params, batch, *extra))
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
         compiled = dict(zip(jobs, pool.map(lambda lowered: lowered.compile(), [j[0] for j in jobs.values()])))
@@ -145,7 +162,7 @@ def main() -> None:
 
     results = []
     for (kind, b, p), exe in compiled.items():
-        t = p + g
+        t = p + g + args.affix
         inputs = jobs[(kind, b, p)][1]
         if kind == "full":
             sec = median_seconds(exe, *inputs)
@@ -159,8 +176,7 @@ def main() -> None:
             flops = forward_flops(cfg, b, bl, t, bl)
             del caches
         else:
-            graphdef, params, batch, dcfg = inputs
-            run = lambda: exe(params, batch)
+            run = lambda: exe(*inputs)
             jax.block_until_ready(run())
             start = time.perf_counter()
             tokens, stats = jax.block_until_ready(run())
