@@ -85,8 +85,7 @@ def _non_affix_view(batch: Batch):
 
 def affix_positions(batch: Batch) -> jax.Array:
     """[B, L] absolute positions of each row's affix tokens."""
-    cols = batch.affix_start[:, None] + jnp.arange(batch.affix_len)[None]
-    return jnp.take_along_axis(batch.positions, cols, axis=1)
+    return jnp.take_along_axis(batch.positions, batch.affix_column_index(), axis=1)
 
 
 def probe_importance(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affix: AffixCache,
@@ -108,7 +107,7 @@ def hkvd_deviation(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affi
     difference between its K/V in the full request (one full forward) and in the affix-only cache."""
     out = nnx.merge(graphdef, params)(batch.tokens, batch.positions, valid=batch.valid, with_logits=False,
                                       attn_backend=attn_backend)
-    cols = batch.affix_start[:, None] + jnp.arange(affix.length)[None]
+    cols = batch.affix_column_index()
     total = 0.0
     for full, cached in ((out.k, affix.k), (out.v, affix.v)):
         for layer_full, layer_cached in zip(full, cached):

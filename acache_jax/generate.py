@@ -106,13 +106,20 @@ def _field(req: dict[str, Any], args: argparse.Namespace, key: str) -> Any:
     return req[key] if key in req else getattr(args, key)
 
 
-def _span(req, args, tokenizer, text_key: str, ids_key: str) -> list[int] | None:
-    """Token ids of a plain text span (no template, no BOS) or the given ids; None if neither."""
+def _choose(req, args, text_key: str, ids_key: str) -> tuple[list[int] | None, str | None]:
+    """(ids, None) or (None, text) for one span: the request line's own key wins over the flags,
+    and between flags the ids win."""
     ids, text = _field(req, args, ids_key), _field(req, args, text_key)
     if ids is not None and (ids_key in req or text_key not in req):
-        return [int(t) for t in ids]
-    if text is None:
-        return None
+        return [int(t) for t in ids], None
+    return None, text
+
+
+def _span(req, args, tokenizer, text_key: str, ids_key: str) -> list[int] | None:
+    """Token ids of a plain text span (no template, no BOS) or the given ids; None if neither."""
+    ids, text = _choose(req, args, text_key, ids_key)
+    if ids is not None or text is None:
+        return ids
     if tokenizer is None:
         raise DecodeError(f"this model ships no tokenizer: give token ids ({ids_key})")
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -122,9 +129,9 @@ def _encode(req: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tu
     """(prompt ids, affix ids or None, prompt tail ids) of one request."""
     affix = _span(req, args, tokenizer, "affix", "affix_ids")
     tail = _span(req, args, tokenizer, "prompt_tail", "prompt_tail_ids") or []
-    ids, text = _field(req, args, "prompt_ids"), _field(req, args, "prompt")
-    if ids is not None and ("prompt_ids" in req or "prompt" not in req):
-        return [int(t) for t in ids], affix, tail
+    ids, text = _choose(req, args, "prompt", "prompt_ids")
+    if ids is not None:
+        return ids, affix, tail
     if text is None:
         raise DecodeError("a request has neither prompt nor prompt_ids")
     if tokenizer is None:

@@ -67,6 +67,10 @@ class Batch:
         start = self.affix_start[:, None]
         return (col >= start) & (col < start + self.affix_len) & self.valid
 
+    def affix_column_index(self) -> jax.Array:
+        """[B, L] int: the column of each row's n-th affix token."""
+        return self.affix_start[:, None] + jnp.arange(self.affix_len)[None]
+
 
 def bucket(n: int, minimum: int = 16) -> int:
     """Padded size for n: powers of two up to 512, then multiples of 256 (few programs, little waste)."""
