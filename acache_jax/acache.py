@@ -89,7 +89,7 @@ def affix_positions(batch: Batch) -> jax.Array:
 
 
 def probe_importance(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affix: AffixCache,
-                     mask_id: int, attn_backend: str = "xla") -> jax.Array:
+                     mask_id: int, attn_backend: str | None = None) -> jax.Array:
     """[B, L] anchor-probe importance: the request's non-affix tokens forward against the fixed
     affix K/V; the mask-token queries' softmax over affix keys, summed over queries, heads, layers."""
     cols = _non_affix_view(batch)
@@ -102,7 +102,7 @@ def probe_importance(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, af
 
 
 def hkvd_deviation(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affix: AffixCache,
-                   attn_backend: str = "xla") -> jax.Array:
+                   attn_backend: str | None = None) -> jax.Array:
     """[B, L] CacheBlend-style deviation: per affix token, the L2 norm over all layers of the
     difference between its K/V in the full request (one full forward) and in the affix-only cache."""
     out = nnx.merge(graphdef, params)(batch.tokens, batch.positions, valid=batch.valid, with_logits=False,
@@ -117,7 +117,7 @@ def hkvd_deviation(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affi
 
 
 def select_anchors(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affix: AffixCache, k: int,
-                   selector: Selector, mask_id: int, attn_backend: str = "xla") -> jax.Array:
+                   selector: Selector, mask_id: int, attn_backend: str | None = None) -> jax.Array:
     """[B, k] sorted affix-relative anchor indices per row (ties: the lower index ranks first)."""
     b = batch.tokens.shape[0]
     if selector == "attention":

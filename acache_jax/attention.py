@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
+
 # Finite stand-in for -inf: a query whose keys are all invalid (a padding row) yields a uniform
 # average instead of NaN, and its output is never used.
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -40,19 +42,12 @@ class KVView:
         return (k, v) if self.slots is None else (k[self.slots], v[self.slots])
 
 
-ATTENTION_BACKENDS = ("xla", "cudnn")
+ATTENTION_BACKENDS = ("xla", "cudnn", "pallas")
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotate-half RoPE; x: [B, T, H, D], positions: [B, T]. Computed in fp32 (as LLaDA does)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (xf * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+def default_backend(head_dim: int) -> str:
+    """The Pallas kernel on a GPU (where it compiles for this head dim), the plain jnp path elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" and supported_on_gpu(head_dim) else "xla"
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
@@ -84,19 +79,16 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) 
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
 
 
-def probe_scores(q: jax.Array, k: jax.Array, queries: jax.Array) -> jax.Array:
-    """Anchor-probe importance of each external key (ACache eq. 4-5, one layer).
-
-    q: [B, Tq, Hq, D] and k: [B, N, Hkv, D], both rotated; queries: [B, Tq] bool, the queries that
-    count (mask tokens). Softmax over these N keys only, summed over counted queries and all heads.
-    Returns [B, N] float32.
-    """
-    b, tq, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, tq, hkv, hq // hkv, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * (d**-0.5)
-    probs = jax.nn.softmax(scores, axis=-1)
-    return jnp.einsum("bhgqk,bq->bk", probs, queries.astype(jnp.float32))
+def _as_pool(k: jax.Array, v: jax.Array, slots: jax.Array | None, positions: jax.Array, valid: jax.Array):
+    """The kernel's form of a key set: (k pool, v pool, slot map with valid keys first, their
+    positions, lengths, the order applied). A dense [B, N, H, D] set becomes a pool of B * N rows."""
+    if slots is None:
+        b, n = k.shape[:2]
+        slots = jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
+        k, v = k.reshape(b * n, *k.shape[2:]), v.reshape(b * n, *v.shape[2:])
+    order = jnp.argsort(~valid, axis=1, stable=True)
+    take = lambda a: jnp.take_along_axis(a, order, axis=1)
+    return k, v, take(slots), take(positions), valid.sum(axis=1).astype(jnp.int32), order
 
 
 def attend(
@@ -108,27 +100,43 @@ def attend(
     kv: KVView | None,
     layer: int,
     rope_theta: float,
-    backend: str = "xla",
+    backend: str | None = None,
     probe: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Attention of a forward's queries over [external keys; its own keys].
 
     q, k_new: [B, T, H, D] before RoPE; positions, valid: [B, T] of the forward's own tokens.
-    probe: [B, T] bool; when given, also returns `probe_scores` of these queries over the external keys.
+    probe: [B, T] bool; when given, also returns the anchor-probe importance of these queries over
+    the external keys ([B, N] float32, `pallas_kernels.anchor_importance`).
+    The pallas backend reads the external keys in place through their slot map and merges that
+    partial result with the one over the forward's own keys.
     """
+    backend = backend or default_backend(q.shape[-1])
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
     q = rope(q, positions, rope_theta)
+    kernel_backend = "pallas" if backend == "pallas" else "xla"
+    scores = ext = None
+    if kv is not None:
+        k_ext, v_ext = kv.k[layer], kv.v[layer]
+        ext = _as_pool(k_ext, v_ext, kv.slots, kv.positions, kv.valid)
+        if probe is not None:
+            pool, _, slots, k_pos, lens, order = ext
+            sorted_scores = anchor_importance(q, pool, slots, lens, probe, k_positions=k_pos, rope_theta=rope_theta,
+                                              backend=kernel_backend)
+            scores = jnp.zeros_like(sorted_scores).at[jnp.arange(q.shape[0])[:, None], order].set(sorted_scores)
+    if backend == "pallas":
+        own = _as_pool(k_new, v_new, None, positions, valid)
+        parts = [own] if ext is None else [ext, own]
+        results = [gathered_attention(q, k, v, slots, lens, k_positions=k_pos, rope_theta=rope_theta, return_lse=True)
+                   for k, v, slots, k_pos, lens, _ in parts]
+        return merge_partials(*map(list, zip(*results))), scores
     keys, values, key_valid = rope(k_new, positions, rope_theta), v_new, valid
-    scores = None
     if kv is not None:
         k_ext, v_ext = kv.rows(layer)
-        k_ext = rope(k_ext, kv.positions, rope_theta)
-        if probe is not None:
-            scores = probe_scores(q, k_ext, probe)
-        keys = jnp.concatenate([k_ext, keys], axis=1)
+        keys = jnp.concatenate([rope(k_ext, kv.positions, rope_theta), keys], axis=1)
         values = jnp.concatenate([v_ext, values], axis=1)
         key_valid = jnp.concatenate([kv.valid, key_valid], axis=1)
     if backend == "xla":
         return dense_attention(q, keys, values, key_valid), scores
-    if backend == "cudnn":
-        return cudnn_attention(q, keys, values, key_valid), scores
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    return cudnn_attention(q, keys, values, key_valid), scores

@@ -60,7 +60,7 @@ class DecodeConfig:
     anchor_ratio: float = 0.2  # acache: K = min(ceil(ratio * L), L) anchors per request
     selector: str = "attention"  # acache: attention | hkvd | random | bottom
     drop_non_anchor: bool = False  # acache DropNA ablation: non-anchor affix K/V are discarded
-    attn_backend: str = "xla"
+    attn_backend: str | None = None  # None: pallas on a GPU, else xla
 
     @property
     def selective(self) -> bool:
@@ -103,7 +103,7 @@ class DecodeConfig:
             fail("temperature, alg_temp and cfg_scale must be >= 0")
         if self.cache not in CACHE_POLICIES:
             fail(f"unknown cache policy {self.cache!r}; choose one of {CACHE_POLICIES}")
-        if self.attn_backend not in ATTENTION_BACKENDS:
+        if self.attn_backend is not None and self.attn_backend not in ATTENTION_BACKENDS:
             fail(f"unknown attention backend {self.attn_backend!r}; choose one of {ATTENTION_BACKENDS}")
         if self.remasking not in ("low_confidence", "random"):
             fail(f"unknown remasking {self.remasking!r}; choose low_confidence or random")

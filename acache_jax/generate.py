@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from acache_jax.attention import ATTENTION_BACKENDS
 from acache_jax.acache import SELECTORS, build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ConfigError
@@ -75,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-non-anchor", action="store_true", help="acache DropNA ablation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=16, help="largest batch to run at once")
-    p.add_argument("--backend", default="xla", choices=["xla", "cudnn"], help="attention backend")
+    p.add_argument("--backend", default=None, choices=ATTENTION_BACKENDS,
+                   help="attention backend (default: pallas on a GPU, else xla)")
     p.add_argument("--json", action="store_true", help="one JSON object per request: tokens, text, nfe, seconds")
     return p
 

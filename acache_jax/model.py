@@ -116,7 +116,7 @@ class Transformer(nnx.Module):
         kv: KVView | None = None,
         logit_index: jax.Array | None = None,
         with_logits: bool = True,
-        attn_backend: str = "xla",
+        attn_backend: str | None = None,
         probe: jax.Array | None = None,
     ) -> ForwardOutput:
         """Forward over the given tokens.
@@ -126,7 +126,8 @@ class Transformer(nnx.Module):
         logit_index: [B, Tl] indices into the T axis where logits are wanted (default: all).
         Dream's shift is along the T axis of this call: logits at index j come from index j-1
         (index 0 keeps its own), exactly as upstream shifts the logits of whatever it computed.
-        attn_backend: "xla" (plain jnp, any device) or "cudnn" (fused GPU kernel, bf16).
+        attn_backend: "xla" (plain jnp, any device), "pallas" (the gathered-attention kernel; interpreted
+            off GPU) or "cudnn" (fused GPU kernel, bf16); default: pallas on a GPU, else xla.
         probe: [B, T] bool, the queries of ACache's anchor probe: the output's `probe` is then, per
         external key, their attention over the external keys alone, summed over layers and heads.
         """

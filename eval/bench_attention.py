@@ -1,0 +1,284 @@
+"""Gathered attention on the GPU: correctness against the oracle, then speed against cuDNN and XLA.
+
+    python -m eval.bench_attention [--out DIR] [--skip-check] [--skip-tune]
+
+1. Check: the compiled kernels (attention, anchor importance) against the jnp oracle run at full
+   fp32 precision on upcast inputs, over GQA groups 1/4/7, head dims 64/128, fp32/bf16, with and
+   without RoPE at read, odd lengths and junk slots beyond kv_lens; then a small random LLaDA-shaped
+   model (head dim 64, fp32) decodes with the xla and the pallas backends and the tokens are compared.
+2. Tune: a few kernel configurations (query block, key tile, warps, stages) on representative
+   decode-block and recompute shapes; the fastest per regime is used below.
+3. Bench: decode-block shapes (Tq 32) and recompute shapes (Tq 256-1024) at LLaDA-8B (32/32 heads)
+   and Dream-7B (28/4 heads) attention shapes, D 128, bf16, keys read through a paged slot map:
+   - pallas: our kernel, K stored before RoPE and rotated at read (the way the engine reads);
+   - pallas_norope: our kernel on pre-rotated K;
+   - cudnn: jax.nn.dot_product_attention (cuDNN) on a contiguous, pre-rotated copy of the same K/V;
+   - xla: the oracle (XLA gather + RoPE + einsum softmax).
+   Each call's output feeds the next call's query inside one compiled loop over several K/V sets
+   (more bytes than L2 holds), so times are device times per call without host dispatch.
+   Reports time, TFLOP/s (4 B Tq Hq Tk D) and effective bandwidth (K/V bytes read once + q + out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import anchor_importance, gathered_attention, rope
+
+PAGE = 16  # slots per pool block in the benchmark's slot maps
+HEADS = {"llada": (32, 32), "dream": (28, 4)}  # (query heads, kv heads)
+THETA = 500000.0
+
+
+_START = time.perf_counter()
+_BUDGET_S = [float("inf")]
+
+
+def log(obj: dict) -> None:
+    print(json.dumps({"t": round(time.perf_counter() - _START, 1), **obj}), flush=True)
+
+
+def over_budget() -> bool:
+    return time.perf_counter() - _START > _BUDGET_S[0]
+
+
+def random_inputs(seed, b, tq, hq, hkv, d, tk, dtype, rotations=1, lens=None):
+    """q and `rotations` disjoint pool regions with paged, shuffled slot maps; junk beyond kv_lens."""
+    rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
+    kq, kk, kv = jax.random.split(key, 3)
+    pages = -(-tk // PAGE)
+    region = b * pages * PAGE
+    q = jax.random.normal(kq, (b, tq, hq, d), jnp.float32).astype(dtype)
+    k_pool = jax.random.normal(kk, (rotations * region, hkv, d), jnp.float32).astype(dtype)
+    v_pool = jax.random.normal(kv, (rotations * region, hkv, d), jnp.float32).astype(dtype)
+    lens = np.full(b, tk) if lens is None else np.asarray(lens)
+    maps = []
+    for r in range(rotations):
+        order = rng.permutation(b * pages).reshape(b, pages)
+        slots = (r * region + order[:, :, None] * PAGE + np.arange(PAGE)).reshape(b, -1)[:, :tk]
+        slots = np.where(np.arange(tk)[None] < lens[:, None], slots, rng.integers(-(2**20), 2**30, size=(b, tk)))
+        maps.append(jnp.asarray(slots, jnp.int32))
+    positions = jnp.asarray(rng.integers(0, 8192, size=(b, tk)), jnp.int32)
+    return q, k_pool, v_pool, maps, jnp.asarray(lens, jnp.int32), positions
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def check() -> list[dict]:
+    rows = []
+    cases = [(1, 4, 64, jnp.float32, True), (1, 4, 128, jnp.bfloat16, True), (4, 2, 128, jnp.bfloat16, False),
+             (4, 2, 64, jnp.float32, False), (7, 4, 128, jnp.bfloat16, True), (7, 1, 64, jnp.float32, True)]
+    for i, (group, hkv, d, dtype, use_rope) in enumerate(cases):
+        for tq, tk in ((32, 1000), (301, 77)):
+            b = 3
+            lens = [tk, 1, max(1, tk // 2 + 1)]
+            q, kp, vp, maps, lens, pos = random_inputs(i, b, tq, group * hkv, hkv, d, tk, dtype, lens=lens)
+            kw = dict(k_positions=pos if use_rope else None, rope_theta=THETA if use_rope else None)
+            got = gathered_attention(q, kp, vp, maps[0], lens, backend="pallas", **kw)
+            with jax.default_matmul_precision("highest"):
+                up = lambda a: a.astype(jnp.float32)
+                want = gathered_attention(up(q), up(kp), up(vp), maps[0], lens, backend="xla", **kw)
+                weights = (jnp.arange(tq) % 3 == 0).astype(jnp.float32)[None].repeat(b, 0)
+                imp_want = anchor_importance(up(q), up(kp), maps[0], lens, weights, backend="xla", **kw)
+            imp = anchor_importance(q, kp, maps[0], lens, weights, backend="pallas", **kw)
+            got = np.asarray(got.astype(jnp.float32))
+            tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+            row = dict(group=group, hkv=hkv, d=d, dtype=jnp.dtype(dtype).name, rope=use_rope, tq=tq, tk=tk,
+                       attention_rel_err=rel_err(got, want), importance_rel_err=rel_err(imp, imp_want),
+                       finite=bool(np.isfinite(got).all()))
+            row["ok"] = row["finite"] and row["attention_rel_err"] < tol and row["importance_rel_err"] < tol
+            rows.append(row)
+            log(row)
+    rows.append(check_decode())
+    log(rows[-1])
+    return rows
+
+
+def check_decode() -> dict:
+    """A random LLaDA-shaped model (head dim 64, fp32) decodes the same tokens with both backends."""
+    from flax import nnx
+
+    from acache_jax.acache import build_affix_cache
+    from acache_jax.config import ModelConfig
+    from acache_jax.decode import DecodeConfig, generate
+    from acache_jax.layout import Request
+    from acache_jax.model import Model, Transformer
+
+    cfg = ModelConfig(family="llada", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=4,
+                      head_dim=64, intermediate_size=512, rope_theta=THETA, rms_norm_eps=1e-5, max_seq_len=1024,
+                      qkv_bias=False, mask_token_id=511, eos_token_id=510, pad_token_id=510)
+    model = Model.from_module(Transformer(cfg, jnp.float32, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    affix = rng.integers(0, 500, size=90).tolist()
+    requests = [Request(rng.integers(0, 500, size=n).tolist(), affix_position=pos)
+                for n, pos in ((20, "prefix"), (37, "suffix"), (11, "prefix"))]
+    cache = build_affix_cache(model, affix)
+    result = {"check": "decode tokens, pallas vs xla backend"}
+    for policy in ("dual", "acache"):
+        outs = [generate(model, requests, DecodeConfig(gen_length=64, block_length=16, cache=policy,
+                                                       attn_backend=backend), affix=cache)
+                for backend in ("xla", "pallas")]
+        same = [np.array_equal(a, b) for a, b in zip(outs[0].tokens, outs[1].tokens)]
+        anchors = [np.array_equal(a, b) for a, b in zip(outs[0].anchors, outs[1].anchors)]
+        result[policy] = {"tokens_equal": same, "anchors_equal": anchors}
+    result["ok"] = all(all(v["tokens_equal"]) and all(v["anchors_equal"]) for k, v in result.items() if k in ("dual", "acache"))
+    return result
+
+
+def time_chain(fn, q, rotations: int, unrolled: bool, target_s: float = 0.03) -> float:
+    """Seconds per call of fn(q, r) -> q' (r: which K/V set), chained over the sets inside one loop.
+
+    unrolled: one traced call per set (inputs that must be separate arrays); otherwise r is traced.
+    """
+    @jax.jit
+    def run(q, reps):
+        def body(i, q):
+            if unrolled:
+                for r in range(rotations):
+                    q = fn(q, r)
+                return q
+            return fn(q, i % rotations)
+        return jax.lax.fori_loop(0, reps if unrolled else reps * rotations, body, q)
+
+    run(q, 1).block_until_ready()
+    start = time.perf_counter()
+    run(q, 1).block_until_ready()
+    once = time.perf_counter() - start
+    reps = int(min(200, max(2, target_s / max(once, 1e-6))))
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        run(q, reps).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / (reps * rotations)
+
+
+def shape_inputs(model: str, b: int, tq: int, tk: int):
+    hq, hkv = HEADS[model]
+    kv_bytes = 2 * b * tk * hkv * 128 * 2
+    rotations = int(min(8, max(2, -(-150e6 // kv_bytes))))
+    q, kp, vp, maps, lens, _ = random_inputs(b * 7 + tk, b, tq, hq, hkv, 128, tk, jnp.bfloat16, rotations)
+    positions = jnp.broadcast_to(jnp.arange(tk, dtype=jnp.int32), (b, tk))
+    return q, kp, vp, maps, lens, positions, kv_bytes
+
+
+def implementations(kp, vp, maps, lens, positions, config):
+    """name -> (fn(q, r), unrolled) for one shape; r selects one of the K/V sets."""
+    stacked = jnp.stack(maps)
+    contiguous = [(rope(kp[m], positions, THETA), vp[m]) for m in maps]
+    with_rope = dict(k_positions=positions, rope_theta=THETA)
+    kernel = lambda **kw: lambda q, r: gathered_attention(q, kp, vp, stacked[r], lens, **config, **kw)
+    return {
+        "pallas": (kernel(**with_rope), False),
+        "pallas_norope": (kernel(), False),
+        "cudnn": (lambda q, r: jax.nn.dot_product_attention(q, *contiguous[r], key_value_seq_lengths=lens,
+                                                            implementation="cudnn"), True),
+        "xla": (lambda q, r: gathered_attention(q, kp, vp, stacked[r], lens, backend="xla", **with_rope), False),
+    }
+
+
+def measure(model, b, tq, tk, config, names=None) -> dict:
+    q, kp, vp, maps, lens, positions, kv_bytes = shape_inputs(model, b, tq, tk)
+    hq = q.shape[2]
+    flops = 4 * b * tq * hq * tk * 128
+    io_bytes = kv_bytes + 2 * q.size * 2
+    row = dict(model=model, b=b, tq=tq, tk=tk)
+    for name, (fn, unrolled) in implementations(kp, vp, maps, lens, positions, config).items():
+        if names and name not in names:
+            continue
+        try:
+            seconds = time_chain(fn, q, len(maps), unrolled)
+            row[name] = dict(us=seconds * 1e6, tflops=flops / seconds / 1e12, tbps=io_bytes / seconds / 1e12)
+        except Exception as e:  # noqa: BLE001 (a failing implementation is reported, the others still run)
+            row[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+    return row
+
+
+TUNE_CONFIGS = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s, rope_tables=t)
+                for bq, bk, w, s, t in ((128, 64, 8, 2, False), (128, 64, 8, 2, True), (128, 32, 8, 2, True),
+                                        (64, 32, 4, 2, True), (128, 64, 8, 3, True), (64, 64, 8, 2, True))]
+TUNE_SHAPES = {"decode": [("llada", 1, 32, 4096), ("llada", 16, 32, 2048), ("dream", 4, 32, 4096)],
+               "recompute": [("llada", 4, 1024, 2048)]}
+
+
+def tune() -> dict:
+    """Each configuration of our kernel (with and without RoPE at read) on the tuning shapes; cuDNN once."""
+    best = {}
+    for regime, cases in TUNE_SHAPES.items():
+        for case in cases:
+            log(dict(regime=regime, shape=case, cudnn=measure(*case, TUNE_CONFIGS[0], names=("cudnn",))["cudnn"]))
+        totals = []
+        for config in TUNE_CONFIGS:
+            rows = [measure(*case, config, names=("pallas", "pallas_norope")) for case in cases]
+            us = lambda name: [r[name].get("us", float("inf")) for r in rows]
+            totals.append(sum(us("pallas")))
+            log(dict(regime=regime, config=config, pallas_us=us("pallas"), norope_us=us("pallas_norope")))
+        best[regime] = TUNE_CONFIGS[int(np.argmin(totals))]
+    log(dict(best=best))
+    return best
+
+
+def bench(best: dict) -> list[dict]:
+    shapes = [(model, b, 32, tk, "decode") for model in HEADS for b in (1, 4, 16) for tk in (512, 1024, 2048, 4096)]
+    shapes += [(model, b, tq, tk, "recompute") for model in HEADS for b in (1, 4)
+               for tq, tk in ((256, 1024), (512, 2048), (1024, 4096))]
+    rows = []
+    for model, b, tq, tk, regime in shapes:
+        if over_budget():
+            log(dict(stopped="budget", measured=len(rows), of=len(shapes)))
+            break
+        rows.append(measure(model, b, tq, tk, best[regime]))
+        log(rows[-1])
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | B | Tq | Tk | pallas us | TFLOP/s | TB/s | vs cuDNN | pallas (pre-rotated) us | cuDNN us | TB/s | XLA us |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, n, c, x = (r.get(k, {}) for k in ("pallas", "pallas_norope", "cudnn", "xla"))
+        ratio = c.get("us", float("nan")) / p.get("us", float("nan"))
+        lines.append(f"| {r['model']} | {r['b']} | {r['tq']} | {r['tk']} | {p.get('us', float('nan')):.1f} | "
+                     f"{p.get('tflops', float('nan')):.0f} | {p.get('tbps', float('nan')):.2f} | {ratio:.2f}x | "
+                     f"{n.get('us', float('nan')):.1f} | {c.get('us', float('nan')):.1f} | {c.get('tbps', float('nan')):.2f} | "
+                     f"{x.get('us', float('nan')):.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="write bench_attention.json here")
+    ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--skip-tune", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=float("inf"), help="stop adding bench shapes after this")
+    args = ap.parse_args(argv)
+    _BUDGET_S[0] = args.budget_s
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
+    if not args.skip_check:
+        result["check"] = check()
+    default = dict(block_q=128, block_k=64, num_warps=8, num_stages=2, rope_tables=False)
+    result["best"] = tune() if not args.skip_tune else {"decode": default, "recompute": default}
+    result["bench"] = bench(result["best"])
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_attention.json").write_text(json.dumps(result, indent=1))
+    if "check" in result:
+        print("check:", "all ok" if all(r["ok"] for r in result["check"]) else "FAILURES")
+    print(table(result["bench"]))
+
+
+if __name__ == "__main__":
+    main()

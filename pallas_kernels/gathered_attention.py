@@ -1,0 +1,401 @@
+"""Bidirectional attention whose keys/values are gathered from a KV pool through a read-slot map.
+
+Requests share pool rows (an affix's KV is stored once) by pointing their slot maps at the same
+slots; nothing is copied. Keys may be stored before RoPE and rotated at the logical position they
+are read at, so one stored span serves any offset (prefix, infix or suffix).
+
+Two backends with one signature: "xla" (plain jnp, the oracle and the CPU path) and "pallas"
+(Triton lowering: online softmax over key tiles; the query heads of one kv head are stacked on the
+matmul M dimension so MHA and GQA both feed the tensor cores; long key ranges are split across
+programs and merged, so small batches still fill the GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# Finite stand-in for -inf (no NaN from inf - inf in the online softmax).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+BACKENDS = ("xla", "pallas")
+# Programs to aim for when choosing the key-range split: a couple per streaming multiprocessor.
+_TARGET_PROGRAMS = 264
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotate-half RoPE; x: [B, T, H, D], positions: [B, T]. Computed in fp32, returned in x's dtype."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_inv_freq(x.shape[-1], theta)
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def gathered_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    read_slot_map: jax.Array,
+    kv_lens: jax.Array,
+    *,
+    k_positions: jax.Array | None = None,
+    rope_theta: float | None = None,
+    sm_scale: float | None = None,
+    backend: str = "pallas",
+    interpret: bool | None = None,
+    return_lse: bool = False,
+    block_q: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    splits: int | None = None,
+    rope_tables: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """softmax(q k^T * sm_scale) v with key n of row b read from pool row read_slot_map[b, n].
+
+    q: [B, Tq, Hq, D] (already rotated); k_pool, v_pool: [S, Hkv, D], Hq a multiple of Hkv (query
+    head h reads kv head h // (Hq // Hkv)); read_slot_map: int32 [B, Tk]; kv_lens: int32 [B], keys
+    n >= kv_lens[b] are ignored, whatever their slot entries hold (a row with kv_lens 0 gives 0).
+    With k_positions (int32 [B, Tk]) and rope_theta, gathered keys are rotated at those positions.
+    Returns [B, Tq, Hq, D] in q's dtype (fp32 accumulation); with return_lse also the log-sum-exp
+    of the scaled scores, fp32 [B, Tq, Hq] (MASK_VALUE where kv_lens is 0), to merge partial results.
+    interpret: run the Pallas kernel on CPU (default: whenever the default backend is not a GPU).
+    The block, split and rope_tables (cos/sin computed once outside the kernel instead of per tile)
+    arguments tune the Pallas kernel only.
+    """
+    b, tq, hq, d = q.shape
+    s, hkv, dk = k_pool.shape
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"k_pool {k_pool.shape} and v_pool {v_pool.shape} differ")
+    if dk != d or hq % hkv:
+        raise ValueError(f"q {q.shape} does not fit a pool of {hkv} kv heads of dim {dk}")
+    if read_slot_map.ndim != 2 or read_slot_map.shape[0] != b or kv_lens.shape != (b,):
+        raise ValueError(f"read_slot_map {read_slot_map.shape} / kv_lens {kv_lens.shape} do not match batch {b}")
+    if (k_positions is None) != (rope_theta is None):
+        raise ValueError("k_positions and rope_theta go together")
+    if k_positions is not None and k_positions.shape != read_slot_map.shape:
+        raise ValueError(f"k_positions {k_positions.shape} must match read_slot_map {read_slot_map.shape}")
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    read_slot_map, kv_lens = read_slot_map.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    if backend == "xla":
+        out, lse = _reference(q, k_pool, v_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale)
+    elif backend == "pallas":
+        interpret = _interpret(interpret, d)
+        out, lse = _pallas(q, k_pool, v_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale,
+                           interpret, block_q, block_k, num_warps, num_stages, splits, rope_tables)
+    else:
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    return (out, lse) if return_lse else out
+
+
+def _interpret(interpret: bool | None, head_dim: int) -> bool:
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if not interpret and not supported_on_gpu(head_dim):
+        raise ValueError(f"the compiled kernel needs a power-of-two head dim >= 32, got {head_dim}; "
+                         "use backend='xla' or interpret=True")
+    return interpret
+
+
+def merge_partials(outs: list[jax.Array], lses: list[jax.Array]) -> jax.Array:
+    """Attention over the union of disjoint key sets from each set's output and log-sum-exp."""
+    m = functools.reduce(jnp.maximum, lses)
+    weights = [jnp.exp(lse - m)[..., None] for lse in lses]
+    total = sum(w * o.astype(jnp.float32) for w, o in zip(weights, outs))
+    norm = sum(weights)
+    return jnp.where(norm > 0, total / jnp.where(norm > 0, norm, 1.0), 0.0).astype(outs[0].dtype)
+
+
+def _reference(q, k_pool, v_pool, slots, kv_lens, k_positions, rope_theta, sm_scale):
+    """The oracle: gather, rotate, masked softmax, all in plain jnp."""
+    b, tq, hq, d = q.shape
+    hkv = k_pool.shape[1]
+    valid = jnp.arange(slots.shape[1])[None] < kv_lens[:, None]
+    slots = jnp.where(valid, slots, 0)
+    k, v = k_pool[slots], v_pool[slots]  # [B, Tk, Hkv, D]
+    if k_positions is not None:
+        k = rope(k, k_positions, rope_theta)
+    qg = q.reshape(b, tq, hkv, hq // hkv, d)
+    scores = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.where(valid[:, None, None, None, :], scores, -jnp.inf)
+    m = jnp.max(scores, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(scores - m)
+    l = p.sum(-1, keepdims=True)
+    out = jnp.einsum("bqhgk,bkhd->bqhgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.where(l > 0, out / jnp.where(l > 0, l, 1.0), 0.0)
+    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l[..., 0] > 0, l[..., 0], 1.0)), MASK_VALUE)
+    return out.reshape(b, tq, hq, d).astype(q.dtype), lse.reshape(b, tq, hq)
+
+
+def _pow2_at_least(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _dot(a, b):
+    """fp32 accumulation; fp32 operands at full precision (not tf32), so fp32 matches the oracle."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+
+
+def supported_on_gpu(head_dim: int) -> bool:
+    """Compiled (not interpreted) kernels need a power-of-two head dim of at least 32 (matmul dims >= 16)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def _load_queries(q_ref, rows, use_rope):
+    """A query block: (first half, second half) of the head dim when keys are rotated at read, else whole."""
+    if not use_rope:
+        return (q_ref[rows, :],)
+    half = q_ref.shape[-1] // 2
+    return q_ref[rows, pl.ds(0, half)], q_ref[rows, pl.ds(half, half)]
+
+
+def _tile_scores(qs, k_ref, slots_ref, pos_ref, inv_freq_ref, start, block_k, kv_len, use_rope, sm_scale):
+    """Scaled scores of a query block (`_load_queries`) against one gathered key tile (rotated at read
+    when use_rope).
+
+    Returns (scores [bm, block_k] fp32, MASK_VALUE beyond kv_len; in-range slots; the in-range mask).
+    """
+    inside = start + jnp.arange(block_k) < kv_len
+    slots = jnp.where(inside, slots_ref[pl.ds(start, block_k)], 0)
+    if use_rope:
+        q1, q2 = qs
+        half = q1.shape[-1]
+        if pos_ref.ndim == 2:  # cos/sin tables computed outside
+            cos, sin = pos_ref[pl.ds(start, block_k), :], inv_freq_ref[pl.ds(start, block_k), :]
+        else:
+            angles = pos_ref[pl.ds(start, block_k)].astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]
+            cos, sin = jnp.cos(angles), jnp.sin(angles)
+        k1 = k_ref[slots, pl.ds(0, half)].astype(jnp.float32)
+        k2 = k_ref[slots, pl.ds(half, half)].astype(jnp.float32)
+        r1, r2 = (k1 * cos - k2 * sin).astype(q1.dtype), (k2 * cos + k1 * sin).astype(q1.dtype)
+        scores = _dot(q1, r1.T) + _dot(q2, r2.T)
+    else:
+        scores = _dot(qs[0], k_ref[slots].T)
+    return jnp.where(inside[None, :], scores * sm_scale, MASK_VALUE), slots, inside
+
+
+def _attention_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                      block_k: int, tiles_per_split: int, sm_scale: float, use_rope: bool):
+    """One (row, kv head, query block, key split): online softmax over its key tiles."""
+    b, split = pl.program_id(0), pl.program_id(3)
+    kv_len = lens_ref[b]
+    bm, d = q_ref.shape
+    qs = _load_queries(q_ref, pl.ds(0, bm), use_rope)
+    first = split * tiles_per_split
+    last = jnp.minimum(first + tiles_per_split, pl.cdiv(kv_len, block_k))
+
+    def body(tile, carry):
+        acc, m_prev, l_prev = carry
+        scores, slots, _ = _tile_scores(qs, k_ref, slots_ref, pos_ref, inv_freq_ref, tile * block_k, block_k,
+                                     kv_len, use_rope, sm_scale)
+        m_next = jnp.maximum(m_prev, scores.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(scores - m_next[:, None])
+        v = v_ref[slots]
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, m_next, l_prev * correction + p.sum(axis=-1)
+
+    init = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _importance_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, lse_ref, w_ref, k_ref, out_ref, *,
+                       block_q: int, block_k: int, sm_scale: float, use_rope: bool):
+    """One (row, kv head, key tile): sum over weighted query rows of softmax probabilities."""
+    b, tile = pl.program_id(0), pl.program_id(2)
+    kv_len = lens_ref[b]
+
+    def body(qb, acc):
+        rows = pl.ds(qb * block_q, block_q)
+        scores, _, inside = _tile_scores(_load_queries(q_ref, rows, use_rope), k_ref, slots_ref, pos_ref, inv_freq_ref, tile * block_k,
+                                         block_k, kv_len, use_rope, sm_scale)
+        p = jnp.where(inside[None, :], jnp.exp(scores - lse_ref[rows][:, None]), 0.0) * w_ref[rows][:, None]
+        return acc + p.sum(axis=0)
+
+    out_ref[...] = jax.lax.fori_loop(0, q_ref.shape[0] // block_q, body, jnp.zeros((block_k,), jnp.float32))
+
+
+def _stack_heads(x, hkv, block_q, pad_value=0.0):
+    """[B, Tq, Hq, ...] -> [B, Hkv, rows_p, ...]: the query heads of one kv head stacked as matmul rows
+    (row t * group_p + g, the group padded to a power of two, rows to a multiple of the block).
+
+    Returns the stacked array, the query block size and the inverse for outputs shaped like it.
+    """
+    b, tq, hq = x.shape[:3]
+    group = hq // hkv
+    group_p = 1 << (group - 1).bit_length()
+    rows = tq * group_p
+    bm = min(block_q, _pow2_at_least(rows))
+    rows_p = pl.cdiv(rows, bm) * bm
+    tail = x.shape[3:]
+    xs = jnp.moveaxis(x.reshape(b, tq, hkv, group, *tail), 1, 2)
+    xs = jnp.pad(xs, [(0, 0)] * 3 + [(0, group_p - group)] + [(0, 0)] * len(tail), constant_values=pad_value)
+    xs = jnp.pad(xs.reshape(b, hkv, rows, *tail), [(0, 0), (0, 0), (0, rows_p - rows)] + [(0, 0)] * len(tail),
+                 constant_values=pad_value)
+
+    def unstack(a):
+        a = a[:, :, :rows].reshape(b, hkv, tq, group_p, *a.shape[3:])[:, :, :, :group]
+        return jnp.moveaxis(a, 2, 1).reshape(b, tq, hq, *a.shape[4:])
+
+    return xs, bm, unstack
+
+
+def _key_tiles(slots, k_positions, rope_theta, head_dim, block_k, rope_tables):
+    """Slot map padded to whole key tiles, and the RoPE inputs: (positions [B, Tk_p], frequencies) for
+    angles computed in the kernel, or (cos, sin) tables [B, Tk_p, D/2] with rope_tables (zeros
+    without RoPE). Returns (slots, rope inputs, key tile, tile count)."""
+    b, tk = slots.shape
+    bk = min(block_k, _pow2_at_least(tk))
+    n_tiles = pl.cdiv(tk, bk)
+    pad = ((0, 0), (0, n_tiles * bk - tk))
+    if k_positions is None:
+        rope_in = (jnp.zeros((b, n_tiles * bk), jnp.int32), jnp.zeros((head_dim // 2,), jnp.float32))
+    elif rope_tables:
+        angles = jnp.pad(k_positions, pad).astype(jnp.float32)[..., None] * rope_inv_freq(head_dim, rope_theta)
+        rope_in = (jnp.cos(angles), jnp.sin(angles))
+    else:
+        rope_in = (jnp.pad(k_positions.astype(jnp.int32), pad), rope_inv_freq(head_dim, rope_theta))
+    return jnp.pad(slots, pad), rope_in, bk, n_tiles
+
+
+def _common_specs(b, tk_p, head_dim, pool_rows, rope_in):
+    """BlockSpecs of (kv_lens, slots, *rope inputs) and of one kv head's pool; grid (b, h, ...)."""
+    row = lambda bi, h, *_: (bi, 0)
+    if rope_in[0].ndim == 3:
+        tables = pl.BlockSpec((None, tk_p, head_dim // 2), lambda bi, h, *_: (bi, 0, 0))
+        rope_specs = [tables, tables]
+    else:
+        rope_specs = [pl.BlockSpec((None, tk_p), row), pl.BlockSpec((head_dim // 2,), lambda *_: (0,))]
+    keys = [pl.BlockSpec((b,), lambda *_: (0,)), pl.BlockSpec((None, tk_p), row), *rope_specs]
+    return keys, pl.BlockSpec((pool_rows, None, head_dim), lambda bi, h, *_: (0, h, 0))
+
+
+def _compiler_params(num_warps, num_stages):
+    from jax.experimental.pallas import triton as plgpu  # noqa: PLC0415 (GPU module, imported on use)
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _pallas(q, k_pool, v_pool, slots, kv_lens, k_positions, rope_theta, sm_scale, interpret,
+            block_q, block_k, num_warps, num_stages, splits, rope_tables):
+    b, tq, hq, d = q.shape
+    s, hkv, _ = k_pool.shape
+    qs, bm, unstack = _stack_heads(q, hkv, block_q)
+    rows_p = qs.shape[2]
+    slots, rope_in, bk, n_tiles = _key_tiles(slots, k_positions, rope_theta, d, block_k, rope_tables)
+    n_q = rows_p // bm
+    if splits is None:
+        splits = max(1, min(n_tiles, math.ceil(_TARGET_PROGRAMS / (b * hkv * n_q))))
+    tiles_per_split = pl.cdiv(n_tiles, splits)
+    splits = pl.cdiv(n_tiles, tiles_per_split)
+
+    key_specs, pool_spec = _common_specs(b, slots.shape[1], d, s, rope_in)
+    part = jax.ShapeDtypeStruct((splits, b, hkv, rows_p), jnp.float32)
+    o, m, l = pl.pallas_call(
+        functools.partial(_attention_kernel, block_k=bk, tiles_per_split=tiles_per_split, sm_scale=sm_scale,
+                          use_rope=k_positions is not None),
+        grid=(b, hkv, n_q, splits),
+        in_specs=[*key_specs, pl.BlockSpec((None, None, bm, d), lambda bi, h, i, sp: (bi, h, i, 0)), pool_spec, pool_spec],
+        out_specs=[
+            pl.BlockSpec((None, None, None, bm, d), lambda bi, h, i, sp: (sp, bi, h, i, 0)),
+            pl.BlockSpec((None, None, None, bm), lambda bi, h, i, sp: (sp, bi, h, i)),
+            pl.BlockSpec((None, None, None, bm), lambda bi, h, i, sp: (sp, bi, h, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, rows_p, d), jnp.float32), part, part],
+        interpret=interpret,
+        compiler_params=_compiler_params(num_warps, num_stages),
+        name="gathered_attention",
+    )(kv_lens, slots, *rope_in, qs, k_pool, v_pool)
+
+    if splits == 1:
+        out, m, l = o[0], m[0], l[0]
+    else:  # merge the key splits
+        m_all = m.max(axis=0)
+        w = l * jnp.exp(m - m_all[None])
+        l = w.sum(axis=0)
+        out = (o * w[..., None]).sum(axis=0) / jnp.where(l > 0, l, 1.0)[..., None]
+        m = m_all
+    lse = jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), MASK_VALUE)
+    return unstack(out).astype(q.dtype), unstack(lse)
+
+
+def anchor_importance(
+    q: jax.Array,
+    k_pool: jax.Array,
+    read_slot_map: jax.Array,
+    kv_lens: jax.Array,
+    query_weights: jax.Array,
+    *,
+    k_positions: jax.Array | None = None,
+    rope_theta: float | None = None,
+    sm_scale: float | None = None,
+    backend: str = "pallas",
+    interpret: bool | None = None,
+    block_q: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 2,
+    rope_tables: bool = False,
+) -> jax.Array:
+    """ACache's anchor-probe importance (eq. 4-5) of each gathered key, for one layer.
+
+    For key n of row b: sum over query tokens t, weighted by query_weights[b, t] (1 for the mask
+    tokens that count), and over all query heads, of softmax over the row's keys (those below
+    kv_lens). Arguments as in `gathered_attention`. Returns fp32 [B, Tk], 0 beyond kv_lens.
+    The Pallas path takes each query's log-sum-exp from the attention kernel, then sums the
+    probabilities per key tile without materialising the [heads, queries, keys] matrix.
+    """
+    b, tq, hq, d = q.shape
+    sm_scale = d**-0.5 if sm_scale is None else sm_scale
+    read_slot_map, kv_lens = read_slot_map.astype(jnp.int32), kv_lens.astype(jnp.int32)
+    weights = query_weights.astype(jnp.float32)
+    if backend == "xla":
+        valid = jnp.arange(read_slot_map.shape[1])[None] < kv_lens[:, None]
+        k = k_pool[jnp.where(valid, read_slot_map, 0)]
+        if k_positions is not None:
+            k = rope(k, k_positions, rope_theta)
+        hkv = k.shape[2]
+        qg = q.reshape(b, tq, hkv, hq // hkv, d)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
+        probs = jax.nn.softmax(jnp.where(valid[:, None, None, None], scores, -jnp.inf), axis=-1)
+        probs = jnp.where(valid[:, None, None, None], probs, 0.0)
+        return jnp.einsum("bhgqk,bq->bk", probs, weights)
+    if backend != "pallas":
+        raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+    interpret = _interpret(interpret, d)
+    _, lse = _pallas(q, k_pool, k_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale, interpret,
+                     block_q, block_k, num_warps, num_stages, None, rope_tables)
+    s, hkv, _ = k_pool.shape
+    qs, bm, _ = _stack_heads(q, hkv, block_q)
+    lse_s, _, _ = _stack_heads(lse, hkv, block_q, pad_value=jnp.finfo(jnp.float32).max)
+    w_s, _, _ = _stack_heads(jnp.broadcast_to(weights[:, :, None], (b, tq, hq)), hkv, block_q)
+    tk = read_slot_map.shape[1]
+    slots, rope_in, bk, n_tiles = _key_tiles(read_slot_map, k_positions, rope_theta, d, block_k, rope_tables)
+    rows_p = qs.shape[2]
+    key_specs, pool_spec = _common_specs(b, slots.shape[1], d, s, rope_in)
+    per_row = lambda bi, h, t: (bi, h, 0)
+    out = pl.pallas_call(
+        functools.partial(_importance_kernel, block_q=bm, block_k=bk, sm_scale=sm_scale,
+                          use_rope=k_positions is not None),
+        grid=(b, hkv, n_tiles),
+        in_specs=[*key_specs, pl.BlockSpec((None, None, rows_p, d), lambda bi, h, t: (bi, h, 0, 0)),
+                  pl.BlockSpec((None, None, rows_p), per_row), pl.BlockSpec((None, None, rows_p), per_row), pool_spec],
+        out_specs=pl.BlockSpec((None, None, bk), lambda bi, h, t: (bi, h, t)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, n_tiles * bk), jnp.float32),
+        interpret=interpret,
+        compiler_params=_compiler_params(num_warps, num_stages),
+        name="anchor_importance",
+    )(kv_lens, slots, *rope_in, qs, lse_s, w_s, k_pool)
+    return out.sum(axis=1)[:, :tk]
