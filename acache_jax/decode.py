@@ -143,13 +143,37 @@ class DecodeStats:
     calls: jax.Array  # [] forward calls of the batch
 
 
+def commit_block(block: jax.Array, logits: jax.Array, step: jax.Array, keys: jax.Array, sched: jax.Array,
+                 cfg: DecodeConfig, mcfg: ModelConfig, block_start: bool) -> jax.Array:
+    """One commit on the blocks [B, bl] from their logits [B, bl, V]: the block's tokens afterwards.
+
+    step: the in-block step (0 at the block start), a scalar or per row [B]; keys: per-row keys of
+    this step; sched: the LLaDA fixed schedule [B, steps] (`sampling.llada_schedule`).
+    """
+    scfg = cfg.sampler(mcfg)
+    masked = block == mcfg.mask_token_id
+    x0, conf = sampling.propose(logits, keys, scfg)
+    step = jnp.broadcast_to(step, block.shape[:1])
+    if block_start and mcfg.family == "dream":  # Dream commits only the block's first token here
+        chosen = masked & (jnp.arange(block.shape[1]) == 0)[None]
+    elif scfg.factor is not None:
+        chosen = sampling.factor_commit(conf, masked, scfg.factor)
+    elif scfg.threshold is not None:
+        chosen = sampling.threshold_commit(conf, masked, scfg.threshold)
+    elif mcfg.family == "llada":
+        k = jnp.take_along_axis(sched, jnp.minimum(step, sched.shape[1] - 1)[:, None], axis=1)[:, 0]
+        chosen = sampling.top_k_commit(conf, masked, k)
+    else:
+        chosen = sampling.dream_schedule_commit(conf, masked, step, cfg.steps_per_block, keys, scfg)
+    return jnp.where(chosen, x0, block)
+
+
 def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: DecodeConfig,
             affix: AffixCache | None = None, anchors: jax.Array | None = None) -> tuple[jax.Array, DecodeStats]:
     """The whole generation of one batch. Selective policies need `affix` and `anchors` [B, K]."""
     TRACE_COUNT["decode"] += 1
     model = nnx.merge(graphdef, params)
     mcfg: ModelConfig = model.cfg
-    scfg = cfg.sampler(mcfg)
     mask_id, bl, g0 = mcfg.mask_token_id, cfg.block_length, batch.gen_start
     b, t = batch.tokens.shape
     gen_cols = (jnp.arange(t) >= g0) & (jnp.arange(t) < g0 + cfg.gen_length)
@@ -176,19 +200,8 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
 
     def commit(x, s, logits, step, keys, sched, block_start: bool):
         block = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1)
-        masked = block == mask_id
-        x0, conf = sampling.propose(logits, keys, scfg)
-        if block_start and mcfg.family == "dream":  # Dream commits only the block's first token here
-            chosen = masked & (jnp.arange(bl) == 0)[None]
-        elif scfg.factor is not None:
-            chosen = sampling.factor_commit(conf, masked, scfg.factor)
-        elif scfg.threshold is not None:
-            chosen = sampling.threshold_commit(conf, masked, scfg.threshold)
-        elif mcfg.family == "llada":
-            chosen = sampling.top_k_commit(conf, masked, sched[:, jnp.minimum(step, sched.shape[1] - 1)])
-        else:
-            chosen = sampling.dream_schedule_commit(conf, masked, step, cfg.steps_per_block, keys, scfg)
-        return jax.lax.dynamic_update_slice_in_dim(x, jnp.where(chosen, x0, block), s, axis=1)
+        block = commit_block(block, logits, step, keys, sched, cfg, mcfg, block_start)
+        return jax.lax.dynamic_update_slice_in_dim(x, block, s, axis=1)
 
     col = jnp.arange(t)[None]
     window = t - g0  # prefix policy: from the block start to the end, padded on the right

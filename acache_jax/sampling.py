@@ -155,12 +155,13 @@ def dream_schedule_commit(
     ts = linspace(1, eps, steps_per_block + 1); reveal a fraction 1 - s/t of the masks (all at the
     last step): the most confident ones, sampled ones (alg_temp > 0), or random ones (origin)."""
     ts = jnp.linspace(1.0, cfg.eps, steps_per_block + 1)
+    step = jnp.broadcast_to(step, masked.shape[:1])  # per row
     t, s = ts[step], ts[jnp.minimum(step + 1, steps_per_block)]
     last = step >= steps_per_block - 1
     n = masked.sum(axis=-1)
     if cfg.alg == "origin":
         u = jax.vmap(lambda k: jax.random.uniform(k, (masked.shape[-1],)))(_row_keys(keys, 4))
-        return masked & ((u < 1 - s / t) | last)
+        return masked & ((u < (1 - s / t)[:, None]) | last[:, None])
     k = jnp.where(last, n, jnp.floor(n * (1 - s / t)).astype(n.dtype))
     if cfg.alg_temp > 0:  # sampling without replacement = top-k of perturbed log-weights
         g = jax.vmap(lambda key: _gumbel(key, (masked.shape[-1],)))(_row_keys(keys, 5))

@@ -1,0 +1,270 @@
+"""The serving engine: continuous batching of block-diffusion requests over one paged KV pool.
+
+Each iteration: admit waiting requests (filling a newly resident affix once, probing the new
+requests' anchors in one batched forward), recompute every request that starts a block, then run
+one in-block decode step over every request that still has masks in its block; requests that
+finish free their blocks at once. Per request, the forwards and commits are the static path's
+(`acache_jax.decode`), so the same request decodes to the same tokens in any company and order.
+
+Policies (from `DecodeConfig.cache`): `acache` / `direct` keep the affix K/V once in shared,
+reference-counted blocks and recompute only each request's private columns; `dual` is the
+Fast-dLLM baseline in the same engine: every request owns all its columns and recomputes them all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence as Seq
+
+import jax
+import numpy as np
+
+from acache_jax.acache import build_affix_cache
+from acache_jax.decode import DecodeConfig, DecodeError
+from acache_jax.engine import runner
+from acache_jax.engine.block_manager import BlockManager
+from acache_jax.engine.scheduler import Scheduler
+from acache_jax.engine.sequence import Sequence
+from acache_jax.layout import Request, batch_bucket, bucket, check_requests
+from acache_jax.model import Model
+
+ENGINE_POLICIES = {"dual": "baseline", "acache": "acache", "direct": "acache"}
+
+
+@dataclasses.dataclass
+class EngineResult:
+    request_id: int
+    tokens: np.ndarray  # the generated region
+    anchors: np.ndarray  # sorted affix-relative anchor indices (empty without selective recompute)
+    nfe: int  # forward calls that computed the request (the probe included)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Per-call latencies (seconds, host-timed around each jitted step incl. its result transfer)."""
+
+    recompute: list[float] = dataclasses.field(default_factory=list)
+    recompute_rows: list[int] = dataclasses.field(default_factory=list)
+    decode: list[float] = dataclasses.field(default_factory=list)
+    probe: list[float] = dataclasses.field(default_factory=list)
+    affix_fills: int = 0
+    peak_blocks: int = 0
+    peak_kv_bytes: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> dict:
+        med = lambda xs: float(np.median(xs)) if xs else 0.0
+        return dict(recompute_calls=len(self.recompute), recompute_median_s=med(self.recompute),
+                    decode_calls=len(self.decode), decode_median_s=med(self.decode), probe_calls=len(self.probe),
+                    affix_fills=self.affix_fills, peak_blocks=self.peak_blocks, peak_kv_bytes=self.peak_kv_bytes,
+                    generated_tokens=self.generated_tokens, seconds=self.seconds,
+                    tokens_per_s=self.generated_tokens / self.seconds if self.seconds else 0.0)
+
+
+def _pad(rows: list[np.ndarray], width: int, fill, count: int) -> np.ndarray:
+    """Stack 1-D rows into [count, width], padded with `fill` (extra rows entirely fill)."""
+    out = np.full((count, width), fill, dtype=np.asarray(fill).dtype if not rows else rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV pool (see the module docstring)."""
+
+    def __init__(self, model: Model, config: DecodeConfig = DecodeConfig(), *, pool_tokens: int | None = None,
+                 block_size: int = 16, max_batch: int = 16):
+        config.validate()
+        if config.cache not in ENGINE_POLICIES:
+            raise DecodeError(f"the engine runs the cache policies {tuple(ENGINE_POLICIES)}, not {config.cache!r}")
+        if config.cfg_scale > 0:
+            raise DecodeError("classifier-free guidance is not supported by the engine")
+        if config.selective and config.selector not in ("attention", "bottom"):
+            raise DecodeError(f"the engine selects anchors with 'attention' or 'bottom', not {config.selector!r}")
+        self.model, self.config = model, config
+        self.policy = ENGINE_POLICIES[config.cache]
+        pool_tokens = pool_tokens or max_batch * model.config.max_seq_len
+        num_blocks = -(-pool_tokens // block_size)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_batch)
+        self.pool = runner.new_pool(model.config, num_blocks * block_size, model.dtype)
+        self.stats = EngineStats()
+        self._affixes: dict[tuple[int, ...], list[int]] = {}
+        self._results: dict[int, EngineResult] = {}
+        self._next_id = 0
+        self._finished_last_step: list[Sequence] = []
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add(self, request: Request, affix: Seq[int] | None = None) -> int:
+        """Queue a request (its affix, if any, as token ids); returns its id."""
+        cfg, mcfg = self.config, self.model.config
+        affix = None if affix is None else [int(t) for t in affix]
+        check_requests([request], cfg.gen_length, mcfg, affix)
+        if cfg.selective and request.affix_position is None:
+            raise DecodeError(f"cache policy {cfg.cache!r}: the request needs an affix_position")
+        seq = Sequence.from_request(self._next_id, request, affix if request.affix_position else None,
+                                    cfg.gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)
+        k = cfg.anchors(seq.affix_len) if seq.shares_affix else 0
+        self.scheduler.add(seq, k)
+        if seq.shares_affix:
+            self._affixes[seq.affix_key] = affix
+        self._next_id += 1
+        return seq.request_id
+
+    def generate(self, requests: Seq[Request], affix: Seq[int] | None = None) -> list[EngineResult]:
+        """Queue `requests` (sharing `affix`) and run until all are done; results in input order."""
+        ids = [self.add(r, affix) for r in requests]
+        self.run()
+        return [self._results.pop(i) for i in ids]
+
+    def run(self, progress: bool = False) -> list[EngineResult]:
+        """Step until every queued request is done; the results of this run in id order."""
+        start, done = time.perf_counter(), []
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(self.scheduler.waiting) + len(self.scheduler.running), desc="engine", unit="req")
+        while not self.scheduler.idle or self._finished_last_step:
+            finished = self.step()
+            done += finished
+            if bar is not None:
+                bar.update(len(finished))
+        if bar is not None:
+            bar.close()
+        self.stats.seconds += time.perf_counter() - start
+        return sorted(done, key=lambda r: r.request_id)
+
+    # -- one iteration ----------------------------------------------------------------------------
+
+    def step(self) -> list[EngineResult]:
+        """Admit, probe, recompute block starts, one decode step; returns the requests that finished."""
+        mask_id = self.model.config.mask_token_id
+        admitted = self.scheduler.admit()
+        for seq in self._finished_last_step:  # their affix stayed resident for this admission
+            self.scheduler.release_affix(seq)
+        self._finished_last_step = []
+        for seq in admitted:
+            if seq.affix_is_new:
+                self._fill_affix(seq)
+        used = self.block_manager.num_blocks - self.block_manager.num_free_blocks
+        self.stats.peak_blocks = max(self.stats.peak_blocks, used)
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes,
+                                       used * self.block_manager.block_size * self.pool.bytes_per_slot)
+        probing = [s for s in admitted if s.needs_probe]
+        if probing:
+            self._probe(probing)
+        recompute, _ = self.scheduler.split()
+        if recompute:
+            self._recompute(recompute)
+        masked = lambda s: (s.token_ids[s.block_columns] == mask_id).any()
+        decoding = [s for s in self.scheduler.running if masked(s)]
+        if decoding:
+            self._decode(decoding)
+        finished = []
+        for seq in list(self.scheduler.running):
+            if not masked(seq) and not seq.advance_block():
+                self.scheduler.finish(seq, release_affix=False)
+                self._finished_last_step.append(seq)
+                finished.append(self._result(seq))
+        return finished
+
+    def _result(self, seq: Sequence) -> EngineResult:
+        cfg = self.config
+        tokens = seq.token_ids[seq.gen_start:seq.gen_start + cfg.gen_length].copy()
+        self.stats.generated_tokens += len(tokens)
+        result = EngineResult(seq.request_id, tokens, seq.anchors.copy(), seq.nfe + int(seq.probed))
+        self._results[seq.request_id] = result
+        return result
+
+    def _fill_affix(self, seq: Sequence) -> None:
+        cache = build_affix_cache(self.model, self._affixes[seq.affix_key])
+        self.pool = runner.fill_affix(self.pool, cache, jax.numpy.asarray(seq.shared_slots))
+        self.stats.affix_fills += 1
+
+    def _rows(self, seqs: list[Sequence], columns: list[np.ndarray], width: int | None = None) -> runner.Rows:
+        n, width = batch_bucket(len(seqs)), width or bucket(max(len(c) for c in columns))
+        tokens = _pad([s.token_ids[c] for s, c in zip(seqs, columns)], width, np.int32(self.model.config.pad_token_id), n)
+        positions = _pad([c.astype(np.int32) for c in columns], width, np.int32(0), n)
+        valid = _pad([np.ones(len(c), bool) for c in columns], width, np.False_, n)
+        return runner.Rows(tokens, positions, valid)
+
+    def _reads(self, seqs: list[Sequence], columns: list[np.ndarray], slots: list[np.ndarray]) -> runner.Reads:
+        n, width = batch_bucket(len(seqs)), bucket(max(1, max(len(c) for c in columns)))
+        return runner.Reads(_pad(slots, width, np.int32(0), n), _pad([c.astype(np.int32) for c in columns], width,
+                                                                     np.int32(0), n),
+                            _pad([np.ones(len(c), bool) for c in columns], width, np.False_, n))
+
+    def _commit_inputs(self, seqs: list[Sequence]) -> runner.CommitInputs:
+        n = batch_bucket(len(seqs))
+        col = lambda f, dtype: np.asarray([f(s) for s in seqs] + [0] * (n - len(seqs)), dtype)
+        blocks = _pad([s.token_ids[s.block_columns] for s in seqs], self.config.block_length,
+                      np.int32(self.model.config.mask_token_id), n)
+        return runner.CommitInputs(blocks, col(lambda s: s.seed, np.uint32), col(lambda s: s.nfe, np.int32),
+                                   col(lambda s: s.step, np.int32), col(lambda s: s.masked_at_start, np.int32))
+
+    def _apply(self, seqs: list[Sequence], blocks: np.ndarray) -> None:
+        for seq, block in zip(seqs, blocks):
+            seq.token_ids[seq.block_columns] = block
+            seq.nfe += 1
+            seq.step += 1
+
+    def _probe(self, seqs: list[Sequence]) -> None:
+        cols = [np.setdiff1d(np.arange(s.num_columns), s.affix_columns) for s in seqs]
+        reads = self._reads(seqs, [s.affix_columns for s in seqs], [s.shared_slots for s in seqs])
+        start = time.perf_counter()
+        order = runner.probe_step(self.model.graphdef, self.config, self.model.params, self.pool,
+                                  self._rows(seqs, cols), reads)
+        order = np.asarray(order)
+        self.stats.probe.append(time.perf_counter() - start)
+        for seq, ranked in zip(seqs, order):
+            seq.set_anchors(ranked[:seq.num_anchors])
+            seq.probed = True
+
+    def _recompute(self, seqs: list[Sequence]) -> None:
+        mask_id, n = self.model.config.mask_token_id, batch_bucket(len(seqs))
+        for seq in seqs:
+            seq.step, seq.masked_at_start = 0, int((seq.token_ids[seq.block_columns] == mask_id).sum())
+        cols = [s.private_columns for s in seqs]
+        width = bucket(max(len(c) for c in cols))
+        write = _pad([s.write_slot_map for s in seqs], width, np.int32(self.pool.num_slots), n)
+        logit_index = _pad([np.searchsorted(c, s.block_columns).astype(np.int32) for s, c in zip(seqs, cols)],
+                           self.config.block_length, np.int32(0), n)
+        reads = None
+        if any(s.shares_affix for s in seqs) and not self.config.drop_non_anchor:
+            shared = [np.setdiff1d(s.affix_columns, s.affix_start + s.anchors) if s.shares_affix else
+                      np.zeros(0, np.int64) for s in seqs]
+            reads = self._reads(seqs, shared, [s.read_slot_map[c] for s, c in zip(seqs, shared)])
+        commit = self._commit_inputs(seqs)
+        start = time.perf_counter()
+        self.pool, blocks = runner.recompute_step(self.model.graphdef, self.config, self.model.params, self.pool,
+                                                  self._rows(seqs, cols), reads, write, logit_index, commit)
+        blocks = np.asarray(blocks)
+        self.stats.recompute.append(time.perf_counter() - start)
+        self.stats.recompute_rows.append(len(seqs))
+        self._apply(seqs, blocks)
+        for seq in seqs:
+            seq.needs_recompute = False
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        cols = []
+        for seq in seqs:
+            keep = np.ones(seq.num_columns, bool)
+            keep[seq.block_columns] = False
+            if seq.shares_affix and self.config.drop_non_anchor:
+                keep[seq.affix_columns] = False
+                keep[seq.affix_start + seq.anchors] = True
+            cols.append(np.flatnonzero(keep))
+        reads = self._reads(seqs, cols, [s.read_slot_map[c] for s, c in zip(seqs, cols)])
+        commit = self._commit_inputs(seqs)
+        start = time.perf_counter()
+        blocks = runner.decode_step(self.model.graphdef, self.config, self.model.params, self.pool,
+                                    self._rows(seqs, [s.block_columns for s in seqs], self.config.block_length),
+                                    reads, commit)
+        blocks = np.asarray(blocks)
+        self.stats.decode.append(time.perf_counter() - start)
+        self._apply(seqs, blocks)
+

@@ -1,0 +1,81 @@
+"""The serving engine against the static path (tiny fp32 models), its compilation and pool limits."""
+
+import numpy as np
+import pytest
+
+import acache_jax
+from acache_jax.decode import DecodeConfig, DecodeError, generate
+from acache_jax.engine import Engine, RequestTooLargeError, runner
+from acache_jax.layout import Request
+
+AFFIX = list(range(30, 53))  # 23 tokens
+REQUESTS = [
+    Request([5, 17, 33, 2, 90], affix_position="prefix", seed=1),
+    Request([11, 3, 3, 64, 8, 1, 2, 9, 4], tail=[7, 8, 9, 10], affix_position="infix", seed=2),
+    Request([23, 99, 54], affix_position="suffix", seed=3),
+    Request([1, 2, 3, 4, 5, 6, 7], affix_position="prefix", seed=4),
+    Request([13, 14], tail=[12, 40], affix_position="infix", seed=5),
+]
+
+
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def model(request, fixtures_dir):
+    return acache_jax.load(fixtures_dir / "decode" / request.param, dtype="float32")
+
+
+@pytest.mark.parametrize("cache,extra", [("acache", dict(anchor_ratio=0.3, temperature=0.7)),
+                                         ("dual", dict(temperature=0.7)),
+                                         ("direct", dict(threshold=None, steps=8)),
+                                         ("acache", dict(anchor_ratio=0.2, drop_non_anchor=True))])
+def test_engine_equals_static_path_in_any_order(model, cache, extra):
+    """Same tokens, anchors and NFE as `generate`, with requests queued (batch 2), finishing at
+    different times, and submitted in two different orders."""
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache=cache, **extra)
+    static = generate(model, REQUESTS, cfg, affix=AFFIX)
+    for order in (range(len(REQUESTS)), [3, 0, 4, 2, 1]):
+        order = list(order)
+        engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2)
+        results = engine.generate([REQUESTS[i] for i in order], AFFIX)
+        for i, res in zip(order, results):
+            assert res.tokens.tolist() == static.tokens[i].tolist(), (cache, i)
+            assert res.anchors.tolist() == static.anchors[i].tolist()
+            assert res.nfe == static.nfe[i]
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.stats.affix_fills == (0 if cache == "dual" else 1)
+
+
+def test_no_recompilation_in_steady_state(fixtures_dir):
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.2)
+    engine = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=4)
+    steps = (runner.recompute_step, runner.decode_step, runner.probe_step)
+    engine.generate(REQUESTS[:4], AFFIX)
+    compiled = [f._cache_size() for f in steps]
+    # Different prompts of similar lengths and another arrival order: every shape was seen before.
+    again = [Request([t + 1 for t in r.prompt], tail=r.tail, affix_position=r.affix_position, seed=9)
+             for r in reversed(REQUESTS[:4])]
+    engine.generate(again, AFFIX)
+    assert [f._cache_size() for f in steps] == compiled
+
+
+def test_pool_limits(fixtures_dir):
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.2)
+    # Room for the affix and about one request at a time: the rest wait, nothing crashes.
+    engine = Engine(model, cfg, pool_tokens=80, block_size=8, max_batch=4)
+    results = engine.generate(REQUESTS[:3], AFFIX)
+    assert len(results) == 3 and engine.stats.peak_blocks <= 10
+    with pytest.raises(RequestTooLargeError, match="more than the pool"):
+        Engine(model, cfg, pool_tokens=32, block_size=8).add(REQUESTS[1], AFFIX)
+
+
+def test_engine_rejects_what_it_cannot_run(fixtures_dir):
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    with pytest.raises(DecodeError, match="cache policies"):
+        Engine(model, DecodeConfig(cache="prefix"))
+    with pytest.raises(DecodeError, match="guidance"):
+        Engine(model, DecodeConfig(cache="dual", cfg_scale=1.0))
+    with pytest.raises(DecodeError, match="affix_position"):
+        Engine(model, DecodeConfig(cache="acache", gen_length=16, block_length=8)).add(Request([1, 2, 3]), AFFIX)
+    np.testing.assert_equal(Engine(model, DecodeConfig(cache="dual", gen_length=8, block_length=8),
+                                   pool_tokens=64).generate([Request([1, 2, 3])])[0].tokens.shape, (8,))

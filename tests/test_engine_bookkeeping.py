@@ -1,0 +1,304 @@
+"""Engine bookkeeping (host side): block manager, sequences and scheduler, with property tests."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from acache_jax.acache import anchor_count
+from acache_jax.config import ModelConfig
+from acache_jax.engine.block_manager import BlockManager, PoolFullError
+from acache_jax.engine.scheduler import RequestTooLargeError, Scheduler
+from acache_jax.engine.sequence import Sequence, SequenceStatus
+from acache_jax.layout import Request, RequestError, make_batch
+
+MASK = 999
+AFFIX_LENS = {"a": 5, "b": 12, "c": 30}  # affix key -> affix length
+BL = 4  # block_length in the property tests
+
+
+def _seq(rid, left=3, gen=8, right=0, affix=None, position="prefix", policy="acache", tail=2):
+    """A sequence with `left` prompt tokens and an affix `affix` (key of AFFIX_LENS) at `position`."""
+    n = AFFIX_LENS[affix] if affix else 0
+    if position == "prefix":
+        lt, rt, start = n + left, right, 0
+    elif position == "infix":
+        lt, rt, start = left + n + tail, right, left
+    else:  # suffix: the affix is the right part
+        lt, rt, start = left, n, left + gen
+    tokens = np.arange(lt + gen + rt) % 50
+    tokens[lt:lt + gen] = MASK
+    return Sequence(rid, tokens, lt, gen, BL, affix_start=start, affix_len=n, affix_key=affix, policy=policy)
+
+
+def _decode_private(seq: Sequence, anchors: np.ndarray) -> np.ndarray:
+    """decode.py's private columns for one unpadded row: argsort(shared, stable)[: T - L + K]."""
+    t, a0, n = seq.num_columns, seq.affix_start, seq.affix_len
+    shared = np.zeros(t, bool)
+    shared[a0:a0 + n] = True
+    shared[a0 + anchors] = False
+    return np.argsort(shared, kind="stable")[: t - n + len(anchors)]
+
+
+# ---- block manager ----
+
+def test_slots_are_block_rows_in_block_order():
+    np.testing.assert_array_equal(BlockManager.slots([3, 1], 6, 4), [12, 13, 14, 15, 4, 5])
+    assert BlockManager.slots([3, 1], 6, 4).dtype == np.int32
+    with pytest.raises(ValueError, match="9 slots asked of 2 blocks"):
+        BlockManager.slots([3, 1], 9, 4)
+
+
+def test_allocate_free_and_bad_frees():
+    bm = BlockManager(4, 8)
+    assert bm.blocks_for(17) == 3 and bm.blocks_for(16) == 2 and bm.blocks_for(0) == 0
+    blocks = bm.allocate(17)
+    assert len(blocks) == 3 and bm.num_free_blocks == 1 and not bm.can_allocate(2)
+    with pytest.raises(PoolFullError, match="2 blocks needed for 9 slots, 1 of 4 free"):
+        bm.allocate(9)
+    shared, new = bm.acquire_shared("a", 3)
+    with pytest.raises(ValueError, match="belong to a shared affix"):
+        bm.free(shared)
+    with pytest.raises(ValueError, match="listed twice"):
+        bm.free([blocks[0], blocks[0]])
+    bm.free(blocks)
+    with pytest.raises(ValueError, match="double free"):
+        bm.free(blocks[:1])
+    assert bm.num_free_blocks == 3  # the bad frees changed nothing
+
+
+def test_shared_blocks_are_refcounted():
+    bm = BlockManager(8, 4)
+    first, new1 = bm.acquire_shared("a", 10)
+    second, new2 = bm.acquire_shared("a", 10)
+    assert (new1, new2) == (True, False) and first == second and len(first) == 3
+    assert bm.refcount("a") == 2 and bm.num_free_blocks == 5
+    with pytest.raises(ValueError, match="resident with 10 slots, asked for 11"):
+        bm.acquire_shared("a", 11)
+    bm.release_shared("a")
+    assert bm.shared_blocks("a") == first and bm.num_free_blocks == 5
+    bm.release_shared("a")
+    assert bm.shared_blocks("a") is None and bm.refcount("a") == 0 and bm.num_free_blocks == 8
+    with pytest.raises(ValueError, match="no such resident affix"):
+        bm.release_shared("a")
+
+
+# ---- sequence ----
+
+def test_slot_maps_of_a_prefix_request():
+    seq = _seq(0, left=2, gen=4, affix="a")  # columns: affix 0-4, prompt 5-6, generation 7-10
+    seq.num_anchors = 2
+    seq.set_slots(np.arange(100, 108), np.arange(10, 15))
+    seq.set_anchors(np.array([3, 1]))
+    np.testing.assert_array_equal(seq.private_columns, [1, 3, 5, 6, 7, 8, 9, 10])
+    np.testing.assert_array_equal(seq.write_slot_map, np.arange(100, 108))
+    np.testing.assert_array_equal(seq.read_slot_map, [10, 100, 12, 101, 14, 102, 103, 104, 105, 106, 107])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data(), st.sampled_from(["prefix", "infix", "suffix"]), st.sampled_from(list(AFFIX_LENS)),
+       st.integers(1, 6), st.integers(1, 3), st.integers(0, 3))
+def test_private_columns_match_the_static_path(data, position, affix, left, blocks, right):
+    seq = _seq(0, left=left, gen=blocks * BL, right=0 if position == "suffix" else right, affix=affix,
+               position=position)
+    n = seq.affix_len
+    anchors = np.array(data.draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n)), np.int32)
+    seq.num_anchors = len(anchors)
+    assert seq.num_private(len(anchors)) == seq.num_columns - n + len(anchors)
+    seq.set_anchors(anchors)
+    np.testing.assert_array_equal(seq.private_columns, _decode_private(seq, anchors))
+    expected = np.sort(np.concatenate([np.setdiff1d(np.arange(seq.num_columns), np.arange(n) + seq.affix_start),
+                                       seq.affix_start + anchors]))
+    np.testing.assert_array_equal(seq.private_columns, expected)
+    base = _seq(1, left=left, gen=blocks * BL, affix=affix, position=position, policy="baseline")
+    assert base.num_private(len(anchors)) == base.num_columns
+    np.testing.assert_array_equal(base.private_columns, np.arange(base.num_columns))
+
+
+@pytest.mark.parametrize("request_", [
+    Request([5, 6, 7], affix_position="prefix"),
+    Request([5, 6], tail=[8, 9, 10], affix_position="infix"),
+    Request([5, 6, 7, 8], affix_position="suffix"),
+    Request([5, 6, 7, 8, 9]),
+])
+def test_from_request_is_an_unpadded_make_batch_row(request_):
+    affix = [40, 41, 42, 43, 44, 45]
+    mcfg = ModelConfig(family="llada", vocab_size=1000, hidden_size=8, num_layers=1, num_heads=1, num_kv_heads=1,
+                       head_dim=8, intermediate_size=8, rope_theta=1e4, rms_norm_eps=1e-5, max_seq_len=256,
+                       qkv_bias=False, mask_token_id=MASK, eos_token_id=1, pad_token_id=0)
+    batch = make_batch([request_], 8, mcfg, affix)
+    valid = np.asarray(batch.valid[0])
+    first = int(np.argmax(valid))
+    seq = Sequence.from_request("r", request_, affix, 8, 4, MASK)
+    np.testing.assert_array_equal(seq.token_ids, np.asarray(batch.tokens[0])[valid])
+    assert seq.gen_start == batch.gen_start - first
+    if request_.affix_position is None:
+        assert seq.affix_key is None and seq.affix_len == 0
+    else:
+        assert seq.affix_key == tuple(affix) and seq.affix_len == batch.affix_len
+        assert seq.affix_start == int(batch.affix_start[0]) - first
+
+
+def test_bad_sequences_are_rejected_by_name():
+    with pytest.raises(RequestError, match="multiple of block_length"):
+        Sequence(0, [MASK] * 6, 0, 6, 4)
+    with pytest.raises(RequestError, match="given together"):
+        Sequence(0, [1, 2, MASK, MASK, MASK, MASK], 2, 4, 4, affix_key="a")
+    with pytest.raises(RequestError, match="outside the generation region"):
+        Sequence(0, [1, 2, MASK, MASK, MASK, MASK], 2, 4, 4, affix_start=1, affix_len=2, affix_key="a")
+    with pytest.raises(RequestError, match="unknown policy"):
+        Sequence(0, [MASK] * 4, 0, 4, 4, policy="dual")
+    with pytest.raises(RequestError, match="6 anchors for an affix of 5"):
+        _seq(0, affix="a").num_private(6)
+
+
+def test_blocks_advance_to_the_end():
+    seq = _seq(0, left=3, gen=12)
+    starts = [seq.block_start]
+    while seq.advance_block():
+        starts.append(seq.block_start)
+    assert starts == [3, 7, 11] and seq.needs_recompute
+
+
+# ---- scheduler ----
+
+def test_queue_when_full_and_admit_when_freed():
+    bm = BlockManager(num_blocks=10, block_size=4)
+    sched = Scheduler(bm, max_batch=8)
+    seqs = [_seq(i, left=3, gen=8, affix="b") for i in range(4)]  # private 11 + 1 anchor -> 3 blocks
+    for s in seqs:
+        sched.add(s, 1)
+    admitted = sched.admit()  # affix 3 blocks + 2 x 3 private; the third would need 12
+    assert admitted == seqs[:2] and sched.waiting == tuple(seqs[2:]) and bm.num_free_blocks == 1
+    assert [s.affix_is_new for s in admitted] == [True, False] and all(s.needs_probe for s in admitted)
+    assert sched.admit() == []  # nothing fits: it waits, no crash
+    sched.finish(seqs[0])
+    assert seqs[0].status is SequenceStatus.FINISHED and sched.admit() == [seqs[2]]
+    for s in (seqs[1], seqs[2]):
+        sched.finish(s)
+    assert bm.shared_blocks("b") is None  # the last user left; the next admission refills the affix
+    assert sched.admit() == [seqs[3]] and seqs[3].affix_is_new
+    sched.finish(seqs[3])
+    assert sched.idle and bm.num_free_blocks == 10
+
+
+def test_max_batch_bounds_the_running_set_and_split_orders_recompute_first():
+    sched = Scheduler(BlockManager(100, 4), max_batch=2)
+    seqs = [_seq(i, policy="baseline", affix="a") for i in range(3)]
+    for s in seqs:
+        sched.add(s, 5)
+    assert sched.admit() == seqs[:2] and not seqs[0].needs_probe and seqs[0].shares_affix is False
+    seqs[0].needs_recompute = False
+    assert sched.split() == ([seqs[1]], [seqs[0]])
+
+
+def test_a_request_that_can_never_fit_is_rejected_clearly():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    sched = Scheduler(bm, max_batch=4)
+    big = _seq(0, left=3, gen=8, affix="b")  # 11 + 2 anchors = 13 slots -> 4 blocks; affix 12 -> 3 blocks
+    with pytest.raises(RequestTooLargeError, match=r"needs 4 private \+ 3 affix blocks of 4 slots .*pool's 6 blocks"):
+        sched.add(big, 2)
+    # A resident affix does not help: it stays resident while the request runs.
+    small = _seq(1, left=1, gen=4, affix="b")
+    sched.add(small, 0)
+    assert sched.admit() == [small]
+    with pytest.raises(RequestTooLargeError):
+        sched.add(_seq(2, left=3, gen=8, affix="b"), 2)
+    assert isinstance(RequestTooLargeError("x"), RequestError) and sched.waiting == ()
+
+
+# ---- properties over random arrivals and finishes ----
+
+def _slot_set(blocks, bs):
+    return set(BlockManager.slots(blocks, len(blocks) * bs, bs).tolist())
+
+
+def _check_invariants(bm: BlockManager, sched: Scheduler) -> None:
+    bs, running = bm.block_size, sched.running
+    private_blocks = [b for s in running for b in s.private_blocks]
+    assert len(private_blocks) == len(set(private_blocks)), "a block is private to two live sequences"
+    users = Counter(s.affix_key for s in running if s.shares_affix)
+    shared_slots: dict = {}
+    for key in AFFIX_LENS:
+        assert bm.refcount(key) == users[key], "refcount differs from the live users"
+        assert (bm.shared_blocks(key) is None) == (users[key] == 0), "shared blocks kept without users"
+        if users[key]:
+            shared_slots[key] = _slot_set(bm.shared_blocks(key), bs)
+    all_shared = [s for slots in shared_slots.values() for s in slots]
+    assert len(all_shared) == len(set(all_shared)), "two affixes share a slot"
+    held = len(private_blocks) + len(all_shared) // bs
+    assert held + bm.num_free_blocks == bm.num_blocks, "a block leaked or is held by nobody"
+
+    owner: dict[int, object] = {}
+    for s in running:
+        assert s.status is SequenceStatus.RUNNING
+        own = s.write_slot_map.tolist()
+        assert len(own) == len(set(own)) and set(own) <= _slot_set(s.private_blocks, bs)
+        for slot in own:
+            assert owner.setdefault(slot, s.request_id) == s.request_id, "a slot is owned by two live sequences"
+            assert slot not in all_shared, "a private slot lies in a live shared block"
+        reach = set(own) | (shared_slots[s.affix_key] if s.shares_affix else set())
+        assert set(s.read_slot_map.tolist()) <= reach, "a sequence reads slots it does not own or share"
+        np.testing.assert_array_equal(s.read_slot_map[s.private_columns], s.write_slot_map)
+    for s in sched.waiting:
+        assert s.status is SequenceStatus.WAITING and not s.private_blocks
+
+
+def _probe(data, admitted):
+    """Stand-in for the runner's probe: K random anchors per newly admitted sequence."""
+    for s in admitted:
+        anchors = data.draw(st.permutations(range(s.affix_len))) if s.affix_len else []
+        s.set_anchors(np.array(anchors[:s.num_anchors], np.int32))
+
+
+request_specs = st.fixed_dictionaries(dict(
+    left=st.integers(1, 20), gen=st.integers(1, 4).map(lambda b: b * BL), right=st.integers(0, 3),
+    affix=st.sampled_from([None, *AFFIX_LENS]), position=st.sampled_from(["prefix", "infix", "suffix"]),
+    policy=st.sampled_from(["acache", "acache", "baseline"]), ratio=st.sampled_from([0.0, 0.2, 0.5, 1.0]),
+))
+operations = st.lists(st.one_of(st.tuples(st.just("add"), request_specs), st.tuples(st.just("add"), request_specs),
+                                st.tuples(st.just("finish"), st.integers(0, 63)),
+                                st.tuples(st.just("admit"), st.none())), max_size=60)  # adds twice as likely
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.integers(1, 120), st.sampled_from([1, 2, 4, 8, 16]), st.integers(1, 6), operations)
+def test_random_arrivals_and_finishes_keep_the_pool_safe(data, num_blocks, block_size, max_batch, ops):
+    bm = BlockManager(num_blocks, block_size)
+    sched = Scheduler(bm, max_batch)
+    for rid, (op, arg) in enumerate(ops):
+        if op == "add":
+            spec = dict(arg)
+            ratio = spec.pop("ratio")
+            seq = _seq(rid, **spec)
+            k = anchor_count(ratio, seq.affix_len)
+            affix = bm.blocks_for(seq.affix_len) if seq.shares_affix else 0
+            need = bm.blocks_for(seq.num_private(k if seq.shares_affix else 0)) + affix
+            if need > num_blocks:
+                with pytest.raises(RequestTooLargeError):
+                    sched.add(seq, k)
+            else:
+                sched.add(seq, k)
+        elif op == "admit":
+            _probe(data, sched.admit())
+            if sched.waiting and len(sched.running) < max_batch:  # the head waits only for blocks
+                head = sched.waiting[0]
+                resident = head.shares_affix and bm.shared_blocks(head.affix_key) is not None
+                affix = bm.blocks_for(head.affix_len) if head.shares_affix and not resident else 0
+                assert not bm.can_allocate(bm.blocks_for(head.num_private(head.num_anchors)) + affix)
+        elif sched.running:
+            sched.finish(sched.running[arg % len(sched.running)])
+        _check_invariants(bm, sched)
+
+    # Drain: every accepted request fits an empty pool, so the queue always empties.
+    for _ in range(len(ops) + 1):
+        _probe(data, sched.admit())
+        _check_invariants(bm, sched)
+        for s in sched.running:
+            sched.finish(s)
+        if sched.idle:
+            break
+    assert sched.idle and bm.num_free_blocks == num_blocks
+    assert all(bm.refcount(key) == 0 for key in AFFIX_LENS)
