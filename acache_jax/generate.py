@@ -24,6 +24,7 @@ from acache_jax.acache import SELECTORS, build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ConfigError
 from acache_jax.decode import CACHE_POLICIES, DecodeConfig, DecodeError, generate
+from acache_jax.engine import Engine
 from acache_jax.layout import AFFIX_POSITIONS, Request, RequestError
 
 # Where a shipped default model would live; used when --model is not given.
@@ -78,6 +79,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=16, help="largest batch to run at once")
     p.add_argument("--backend", default=None, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: pallas on a GPU, else xla)")
+    p.add_argument("--engine", action="store_true",
+                   help="serve the requests with the continuous-batching engine (cache dual, acache or direct)")
+    p.add_argument("--pool-tokens", type=int, default=None,
+                   help="engine: KV pool size in tokens (default: batch size x the model's context)")
     p.add_argument("--json", action="store_true", help="one JSON object per request: tokens, text, nfe, seconds")
     return p
 
@@ -162,6 +167,26 @@ def _text(tokens: np.ndarray, model, stops: set[int]) -> str | None:
     return model.tokenizer.decode([t for t in ids[:end] if t != model.config.mask_token_id], skip_special_tokens=True)
 
 
+def _serve(model, groups: dict[tuple, list[tuple[int, Request]]], args: argparse.Namespace,
+           results: list[dict[str, Any]], stops: set[int]) -> None:
+    """Run every request through one engine per decoding config; engine stats go with each result."""
+    engines: dict[DecodeConfig, tuple[Engine, dict[int, int]]] = {}
+    for (config, affix), members in groups.items():
+        if config not in engines:
+            engines[config] = (Engine(model, config, pool_tokens=args.pool_tokens, max_batch=args.batch_size), {})
+        engine, ids = engines[config]
+        for i, request in members:
+            ids[engine.add(request, affix)] = i
+    for config, (engine, ids) in engines.items():
+        for res in engine.run(progress=len(ids) > args.batch_size):
+            i = ids[res.request_id]
+            results[i] = {"tokens": res.tokens.tolist(), "text": _text(res.tokens, model, stops), "nfe": res.nfe,
+                          "forward_tokens": None, "seconds": round(engine.stats.seconds, 4),
+                          "engine": engine.stats.summary()}
+            if config.selective:
+                results[i]["anchors"] = res.anchors.tolist()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -181,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             groups.setdefault((config, None if affix is None else tuple(affix)), []).append((i, request))
         results: list[dict[str, Any]] = [{} for _ in reqs]
         stops = _stop_ids(model)
+        if args.engine:
+            _serve(model, groups, args, results, stops)
+            groups = {}
         caches: dict[tuple[int, ...], Any] = {}  # one affix cache per distinct affix, shared by its groups
         for (config, affix), members in groups.items():
             shared = None
@@ -205,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shown = r["text"] if r["text"] is not None else " ".join(map(str, r["tokens"]))
             anchors = f", anchors {r['anchors']}" if "anchors" in r else ""
-            print(f"{shown}\n[nfe {r['nfe']}, forward tokens {r['forward_tokens']}, {r['seconds']:.2f} s{anchors}]")
+            where = "engine run" if "engine" in r else f"forward tokens {r['forward_tokens']}"
+            print(f"{shown}\n[nfe {r['nfe']}, {where}, {r['seconds']:.2f} s{anchors}]")
     return 0
 
 

@@ -106,6 +106,12 @@ def test_affix_flags_and_anchors(capsys, model_dir, tmp_path):
     code, _, err = _run(capsys, "--model", model_dir, "--prompt-ids", "5", "--affix-ids", affix,
                         "--affix-position", "infix", *FAST)
     assert code == 2 and "needs a prompt tail" in err
+    # The engine serves the same lines to the same tokens, and reports its stats.
+    code, out, err = _run(capsys, "--model", model_dir, "--input", str(path), "--json", "--engine", *FAST)
+    assert code == 0, err
+    served = [json.loads(x) for x in out.splitlines()]
+    assert [r["tokens"] for r in served] == [r["tokens"] for r in rows]
+    assert served[0]["anchors"] == rows[0]["anchors"] and served[0]["engine"]["affix_fills"] == 1
 
 
 @pytest.mark.parametrize("argv,message", [
