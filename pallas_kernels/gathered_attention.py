@@ -158,54 +158,60 @@ def _load_queries(q_ref, rows, use_rope):
     return q_ref[rows, pl.ds(0, half)], q_ref[rows, pl.ds(half, half)]
 
 
-def _tile_scores(qs, k_ref, slots_ref, pos_ref, inv_freq_ref, start, block_k, kv_len, use_rope, sm_scale):
-    """Scaled scores of a query block (`_load_queries`) against one gathered key tile (rotated at read
-    when use_rope).
-
-    Returns (scores [bm, block_k] fp32, MASK_VALUE beyond kv_len; in-range slots; the in-range mask).
-    """
-    inside = start + jnp.arange(block_k) < kv_len
-    slots = jnp.where(inside, slots_ref[pl.ds(start, block_k)], 0)
-    if use_rope:
-        q1, q2 = qs
-        half = q1.shape[-1]
-        if pos_ref.ndim == 2:  # cos/sin tables computed outside
-            cos, sin = pos_ref[pl.ds(start, block_k), :], inv_freq_ref[pl.ds(start, block_k), :]
-        else:
-            angles = pos_ref[pl.ds(start, block_k)].astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]
-            cos, sin = jnp.cos(angles), jnp.sin(angles)
-        k1 = k_ref[slots, pl.ds(0, half)].astype(jnp.float32)
-        k2 = k_ref[slots, pl.ds(half, half)].astype(jnp.float32)
-        r1, r2 = (k1 * cos - k2 * sin).astype(q1.dtype), (k2 * cos + k1 * sin).astype(q1.dtype)
-        scores = _dot(q1, r1.T) + _dot(q2, r2.T)
+def _load_keys(k_ref, slots, pos_ref, inv_freq_ref, start, block_k, use_rope, dtype):
+    """One gathered key tile: (first half, second half) of the head dim rotated at read, or whole."""
+    if not use_rope:
+        return (k_ref[slots],)
+    half = k_ref.shape[-1] // 2
+    if pos_ref.ndim == 2:  # cos/sin tables computed outside
+        cos, sin = pos_ref[pl.ds(start, block_k), :], inv_freq_ref[pl.ds(start, block_k), :]
     else:
-        scores = _dot(qs[0], k_ref[slots].T)
-    return jnp.where(inside[None, :], scores * sm_scale, MASK_VALUE), slots, inside
+        angles = pos_ref[pl.ds(start, block_k)].astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+    k1 = k_ref[slots, pl.ds(0, half)].astype(jnp.float32)
+    k2 = k_ref[slots, pl.ds(half, half)].astype(jnp.float32)
+    return (k1 * cos - k2 * sin).astype(dtype), (k2 * cos + k1 * sin).astype(dtype)
+
+
+def _scores(qs, keys, inside, sm_scale):
+    """Scaled scores [bm, block_k] fp32 of a query block against a key tile; MASK_VALUE outside."""
+    scores = sum(_dot(qp, kp.T) for qp, kp in zip(qs, keys))
+    return jnp.where(inside[None, :], scores * sm_scale, MASK_VALUE)
 
 
 def _attention_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                       block_k: int, tiles_per_split: int, sm_scale: float, use_rope: bool):
-    """One (row, kv head, query block, key split): online softmax over its key tiles."""
+    """One (row, kv head, query block, key split): online softmax over its key tiles.
+
+    The next tile's slots are loaded one iteration ahead, so gathering K/V never waits on the slot map.
+    """
     b, split = pl.program_id(0), pl.program_id(3)
     kv_len = lens_ref[b]
     bm, d = q_ref.shape
     qs = _load_queries(q_ref, pl.ds(0, bm), use_rope)
+    n_tiles = slots_ref.shape[0] // block_k
     first = split * tiles_per_split
     last = jnp.minimum(first + tiles_per_split, pl.cdiv(kv_len, block_k))
+    load_slots = lambda tile: slots_ref[pl.ds(jnp.minimum(tile, n_tiles - 1) * block_k, block_k)]
 
     def body(tile, carry):
-        acc, m_prev, l_prev = carry
-        scores, slots, _ = _tile_scores(qs, k_ref, slots_ref, pos_ref, inv_freq_ref, tile * block_k, block_k,
-                                     kv_len, use_rope, sm_scale)
+        acc, m_prev, l_prev, raw_slots = carry
+        next_slots = load_slots(tile + 1)
+        start = tile * block_k
+        inside = start + jnp.arange(block_k) < kv_len
+        slots = jnp.where(inside, raw_slots, 0)
+        keys = _load_keys(k_ref, slots, pos_ref, inv_freq_ref, start, block_k, use_rope, qs[0].dtype)
+        v = v_ref[slots]
+        scores = _scores(qs, keys, inside, sm_scale)
         m_next = jnp.maximum(m_prev, scores.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(scores - m_next[:, None])
-        v = v_ref[slots]
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v)
-        return acc, m_next, l_prev * correction + p.sum(axis=-1)
+        return acc, m_next, l_prev * correction + p.sum(axis=-1), next_slots
 
-    init = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
+    init = (jnp.zeros((bm, d), jnp.float32), jnp.full((bm,), MASK_VALUE, jnp.float32), jnp.zeros((bm,), jnp.float32),
+            load_slots(first))
+    acc, m, l, _ = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
     o_ref[...] = acc / jnp.where(l > 0, l, 1.0)[:, None]
     m_ref[...] = m
     l_ref[...] = l
@@ -215,12 +221,14 @@ def _importance_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, lse_re
                        block_q: int, block_k: int, sm_scale: float, use_rope: bool):
     """One (row, kv head, key tile): sum over weighted query rows of softmax probabilities."""
     b, tile = pl.program_id(0), pl.program_id(2)
-    kv_len = lens_ref[b]
+    start = tile * block_k
+    inside = start + jnp.arange(block_k) < lens_ref[b]
+    slots = jnp.where(inside, slots_ref[pl.ds(start, block_k)], 0)
+    keys = _load_keys(k_ref, slots, pos_ref, inv_freq_ref, start, block_k, use_rope, q_ref.dtype)
 
     def body(qb, acc):
         rows = pl.ds(qb * block_q, block_q)
-        scores, _, inside = _tile_scores(_load_queries(q_ref, rows, use_rope), k_ref, slots_ref, pos_ref, inv_freq_ref, tile * block_k,
-                                         block_k, kv_len, use_rope, sm_scale)
+        scores = _scores(_load_queries(q_ref, rows, use_rope), keys, inside, sm_scale)
         p = jnp.where(inside[None, :], jnp.exp(scores - lse_ref[rows][:, None]), 0.0) * w_ref[rows][:, None]
         return acc + p.sum(axis=0)
 
