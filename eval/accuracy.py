@@ -1,0 +1,79 @@
+"""Accuracy of a model on the tasks: one seeded world per task, its few-shot affix in each placement.
+
+python -m eval.accuracy --model DIR [--tasks babi,arithmetic,codebook] [-n 64] [--cache dual]
+Prints one JSON line per (task, placement, shots) and the whole grid with --json FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from acache_jax.acache import build_affix_cache
+from acache_jax.checkpoint import load
+from acache_jax.decode import CACHE_POLICIES, DecodeConfig, generate
+from acache_jax.model import Model
+from eval.tasks import MAX_SHOTS, TASKS, eval_split, get_task
+from eval.tasks.layouts import GEN_LENGTH, PLACEMENTS, Placement, affix_ids, encoder, request
+
+FULL_RECOMPUTE = DecodeConfig(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, cache="dual")
+
+
+def answer_text(model: Model, tokens: Sequence[int]) -> str:
+    """The generated text up to the first end token."""
+    ids = [int(t) for t in tokens]
+    end = ids.index(model.config.eos_token_id) if model.config.eos_token_id in ids else len(ids)
+    return model.tokenizer.decode(ids[:end], skip_special_tokens=True)
+
+
+def accuracy(model: Model, task: str, placement: Placement, shots: int, n: int, seed: int = 0,
+             config: DecodeConfig = FULL_RECOMPUTE, max_batch: int = 256) -> float:
+    """Fraction of n held-out questions answered correctly with the first `shots` examples as affix."""
+    if model.tokenizer is None:
+        raise ValueError("the model ships no tokenizer; accuracy needs one to lay out and score text")
+    examples, questions = eval_split(get_task(task), seed, n)
+    encode = encoder(model.tokenizer)
+    ids = affix_ids(encode, examples[:shots], placement)
+    affix = build_affix_cache(model, ids) if config.selective and ids is not None else ids
+    requests = [request(encode, q, placement, seed=i) for i, q in enumerate(questions)]
+    out = generate(model, requests, config, affix=affix, max_batch=max_batch)
+    return sum(q.score(answer_text(model, t)) for q, t in zip(questions, out.tokens)) / n
+
+
+def grid(model: Model, tasks: Sequence[str], n: int, seed: int = 0, config: DecodeConfig = FULL_RECOMPUTE,
+         report=print) -> list[dict[str, Any]]:
+    """Every task without affix (unless the policy needs one) and with 1..MAX_SHOTS examples in each placement."""
+    rows = []
+    for task in tasks:
+        settings = [("none", 0)] * (not config.selective)
+        settings += [(p, k) for p in PLACEMENTS[1:] for k in range(1, MAX_SHOTS + 1)]
+        for placement, shots in settings:
+            acc = accuracy(model, task, placement, shots, n, seed, config)
+            rows.append({"task": task, "placement": placement, "shots": shots, "n": n, "accuracy": acc})
+            report(json.dumps(rows[-1]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.accuracy", description=__doc__.splitlines()[0])
+    p.add_argument("--model", type=Path, required=True)
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("-n", type=int, default=64, help="questions per setting")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cache", choices=CACHE_POLICIES, default="dual")
+    p.add_argument("--json", type=Path, help="also write the grid here")
+    args = p.parse_args(argv)
+    model = load(args.model)
+    config = DecodeConfig(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, cache=args.cache)
+    rows = grid(model, args.tasks.split(","), args.n, args.seed, config)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Train a small LLaDA- or Dream-architecture diffusion model on the task mixture, then export it.
+
+python -m eval.train --family llada|dream --out DIR [--steps N --batch B --seed S --tiny --plot]
+
+Objective (LLaDA's SFT form of masked diffusion): per sequence a mask ratio t ~ U(eps, 1), drawn
+stratified over the batch to lower the variance; every token of the generation region (answer +
+END padding) is masked with probability t, the prompt and affixes stay visible; loss = cross-entropy
+on the masked tokens weighted 1/t, averaged over batch x generation length. Dream predicts token i
+from position i-1: the model applies that shift itself, so for both families the loss reads the
+logits at the masked token's own index.
+
+DIR receives the model in its family's HF layout (config.json, model.safetensors, tokenizer files),
+run.json (the settings), losses.json, loss.png (--plot) and eval.json (--eval-n); orbax checkpoints
+go to DIR/checkpoints (or --ckpt-dir), and a run restarted with the same settings resumes from the
+latest one and continues exactly as if uninterrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from acache_jax.config import ModelConfig
+from acache_jax.model import Transformer
+from convert.export_hf import export_hf
+from eval.tasks import TASKS
+from eval.tasks.layouts import GEN_LENGTH
+from eval.tokenizer import build_tokenizer, save_tokenizer, special_ids
+from eval.train_data import Mixture, Pool, build_pool
+
+# head_dim 64 everywhere (the GPU kernel's); bf16 exports of about 9.3 MB (llada) and 9.7 MB (dream).
+SIZES = {
+    "llada": dict(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=4, intermediate_size=640),
+    "dream": dict(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=2, intermediate_size=768),
+}
+TINY = {  # CPU runs: one 64-wide head per layer, 0.2M parameters
+    family: dict(hidden_size=64, num_layers=4, num_heads=1, num_kv_heads=1, intermediate_size=128)
+    for family in ("llada", "dream")
+}
+FAMILY = {  # upstream values of each family
+    "llada": dict(rope_theta=500000.0, rms_norm_eps=1e-5, qkv_bias=False),
+    "dream": dict(rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True),
+}
+MAX_SEQ_LEN = 512
+
+
+def model_config(family: str, vocab_size: int, ids: dict[str, int], tiny: bool = False) -> ModelConfig:
+    size = (TINY if tiny else SIZES)[family]
+    cfg = ModelConfig(family=family, vocab_size=-(-vocab_size // 64) * 64, head_dim=64, max_seq_len=MAX_SEQ_LEN,
+                      **size, **FAMILY[family], **ids)
+    cfg.validate()
+    return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Optimisation settings (hashable: a static argument of the jitted step)."""
+
+    steps: int = 4000
+    batch: int = 512
+    lr: float = 1e-3
+    warmup: int | None = None  # linear warmup steps (default: 5% of the steps)
+    weight_decay: float = 0.1
+    mask_eps: float = 1e-3
+    gen_length: int = GEN_LENGTH
+    compute_dtype: str = "bfloat16"
+    attn_backend: str = "xla"
+
+    @property
+    def warmup_steps(self) -> int:
+        warmup = self.steps // 20 if self.warmup is None else self.warmup
+        if not 0 <= warmup < self.steps:
+            raise ValueError(f"warmup ({warmup}) must be shorter than the run ({self.steps} steps)")
+        return warmup
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: nnx.State  # float32 master weights
+    opt_state: Any
+    step: jax.Array  # [] int32
+
+
+def optimizer(recipe: Recipe) -> optax.GradientTransformation:
+    """AdamW with linear warmup and cosine decay to a tenth; no weight decay on norms and biases."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, recipe.lr, recipe.warmup_steps, recipe.steps, recipe.lr / 10)
+    matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=recipe.weight_decay, mask=matrices))
+
+
+def corrupt(tokens: jax.Array, gen_start: jax.Array, key: jax.Array, mask_id: int,
+            recipe: Recipe) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The forward process on the generation region: (noisy tokens [B, T], its columns [B, G],
+    which of them are masked [B, G], mask ratio per sequence [B])."""
+    b = tokens.shape[0]
+    ratio_key, mask_key = jax.random.split(key)
+    ratio = (jax.random.uniform(ratio_key) + jnp.arange(b) / b) % 1.0  # one draw, spread evenly over [0, 1)
+    ratio = recipe.mask_eps + (1 - recipe.mask_eps) * ratio
+    cols = gen_start[:, None] + jnp.arange(recipe.gen_length)[None]
+    target = jnp.take_along_axis(tokens, cols, axis=1)
+    masked = jax.random.uniform(mask_key, target.shape) < ratio[:, None]
+    noisy = tokens.at[jnp.arange(b)[:, None], cols].set(jnp.where(masked, mask_id, target))
+    return noisy, cols, masked, ratio
+
+
+def diffusion_loss(params: nnx.State, graphdef: nnx.GraphDef, tokens: jax.Array, gen_start: jax.Array,
+                   length: jax.Array, key: jax.Array, mask_id: int, recipe: Recipe) -> jax.Array:
+    """Masked-diffusion loss of a batch: tokens [B, T] int32 (right-padded), gen_start / length [B] int32."""
+    b, t = tokens.shape
+    noisy, cols, masked, ratio = corrupt(tokens, gen_start, key, mask_id, recipe)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    compute = jax.tree.map(lambda p: p.astype(recipe.compute_dtype), params)
+    logits = nnx.merge(graphdef, compute)(noisy, positions, valid=positions < length[:, None], logit_index=cols,
+                                          attn_backend=recipe.attn_backend).logits
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.take_along_axis(tokens, cols, axis=1))
+    return jnp.sum(jnp.where(masked, ce / ratio[:, None], 0.0)) / (b * recipe.gen_length)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
+def train_step(graphdef: nnx.GraphDef, recipe: Recipe, mask_id: int, state: TrainState, pool: Pool,
+               key: jax.Array) -> tuple[TrainState, jax.Array]:
+    """One optimiser step on a batch drawn from the device-resident pool; the step's randomness is
+    fold_in(key, step), so a resumed run draws what an uninterrupted one would."""
+    batch_key, loss_key = jax.random.split(jax.random.fold_in(key, state.step))
+    rows = jax.random.randint(batch_key, (recipe.batch,), 0, pool.tokens.shape[0])
+    loss, grads = jax.value_and_grad(diffusion_loss)(
+        state.params, graphdef, pool.tokens[rows].astype(jnp.int32), pool.gen_start[rows], pool.length[rows],
+        loss_key, mask_id, recipe)
+    updates, opt_state = optimizer(recipe).update(grads, state.opt_state, state.params)
+    return TrainState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def _settings(out: Path, settings: dict) -> None:
+    """Record the run's settings; refuse to resume a run made with others."""
+    path = out / "run.json"
+    settings = json.loads(json.dumps(settings))  # as read back: tuples become lists
+    if path.is_file():
+        before = json.loads(path.read_text())
+        changed = {k: (before.get(k), v) for k, v in settings.items() if before.get(k) != v}
+        if changed:
+            raise SystemExit(f"error: {out} holds a run with other settings (was, now): {changed}; "
+                             "use another --out or the same settings")
+    _write_json(path, settings)
+
+
+def train(family: str, out: str | Path, recipe: Recipe = Recipe(), *, seed: int = 0, tiny: bool = False,
+          mixture: Mixture = Mixture(), seq_len: int = 320, pool_size: int | None = None, workers: int = 1,
+          ckpt_dir: str | Path | None = None, ckpt_every: int = 500, log_every: int = 50,
+          progress: bool = True, max_seconds: float | None = None) -> tuple[ModelConfig, nnx.State]:
+    """Train (or resume) and export into `out`; returns the config and the float32 parameters.
+
+    max_seconds: stop early once the loop has run this long (checkpoint and export what there is;
+    the same command resumes), so a run on a lent machine always leaves a model behind.
+    """
+    import orbax.checkpoint as ocp
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    pool_size = pool_size or min(recipe.steps * recipe.batch, 1 << 20)
+    _settings(out, {"family": family, "recipe": dataclasses.asdict(recipe), "seed": seed, "tiny": tiny,
+                    "mixture": dataclasses.asdict(mixture), "seq_len": seq_len, "pool_size": pool_size})
+    tokenizer = build_tokenizer()
+    save_tokenizer(tokenizer, out)
+    ids = special_ids(tokenizer)
+    cfg = model_config(family, tokenizer.get_vocab_size(), ids, tiny)
+    start_time = time.perf_counter()
+    pool = jax.device_put(build_pool(tokenizer, pool_size, seq_len, seed, mixture, ids["eos_token_id"],
+                                     ids["pad_token_id"], workers))
+    print(f"{family}: {cfg.num_params / 1e6:.2f}M parameters; pool of {pool_size} sequences x {seq_len} tokens "
+          f"built in {time.perf_counter() - start_time:.0f}s", file=sys.stderr)
+
+    graphdef, params = nnx.split(Transformer(cfg, jnp.float32, rngs=nnx.Rngs(seed)))
+    state = TrainState(params, optimizer(recipe).init(params), jnp.int32(0))
+    manager = ocp.CheckpointManager(Path(ckpt_dir or out / "checkpoints").absolute(),
+                                    options=ocp.CheckpointManagerOptions(max_to_keep=2))
+    losses_path = out / "losses.json"
+    losses: list[float] = []
+    if manager.latest_step() is not None:
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, vars(state))
+        state = TrainState(**manager.restore(manager.latest_step(), args=ocp.args.StandardRestore(abstract)))
+        losses = json.loads(losses_path.read_text())["loss"][:int(state.step)] if losses_path.is_file() else []
+    key = jax.random.key(seed)
+    start = int(state.step)
+    pending = []
+    bar = tqdm(range(start, recipe.steps), initial=start, total=recipe.steps, desc=f"training {family}",
+               disable=not progress, mininterval=2.0)
+    clock = time.perf_counter()
+    for step in bar:
+        state, loss = train_step(graphdef, recipe, cfg.mask_token_id, state, pool, key)
+        pending.append(loss)
+        done = step + 1
+        out_of_time = max_seconds is not None and time.perf_counter() - clock > max_seconds
+        checkpoint = done % ckpt_every == 0 or done == recipe.steps or out_of_time
+        if done % log_every == 0 or checkpoint:
+            losses += [float(x) for x in jax.device_get(pending)]  # the only host sync of the loop
+            pending = []
+            bar.set_postfix(loss=f"{sum(losses[-log_every:]) / len(losses[-log_every:]):.4f}")
+        if checkpoint:
+            manager.save(done, args=ocp.args.StandardSave(vars(state)))
+            _write_json(losses_path, {"step": list(range(1, len(losses) + 1)), "loss": losses})
+        if out_of_time:
+            print(f"stopped at step {done} of {recipe.steps}: {max_seconds:.0f}s reached (the same command resumes)",
+                  file=sys.stderr)
+            break
+    manager.wait_until_finished()
+    seconds = time.perf_counter() - clock
+    if len(losses) > start:
+        print(f"{len(losses) - start} steps in {seconds:.1f}s ({(len(losses) - start) / seconds:.2f} steps/s, "
+              f"compilation included)", file=sys.stderr)
+    export_hf(out, cfg, state.params)
+    return cfg, state.params
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.train", description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=sorted(SIZES), required=True)
+    p.add_argument("--out", type=Path, required=True, help="output directory (the exported HF model and logs)")
+    p.add_argument("--steps", type=int, default=Recipe.steps)
+    p.add_argument("--batch", type=int, default=Recipe.batch)
+    p.add_argument("--lr", type=float, default=Recipe.lr)
+    p.add_argument("--warmup", type=int, help="warmup steps (default: 5%% of --steps)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tiny", action="store_true", help="a small model for CPU smoke runs")
+    p.add_argument("--tasks", default=",".join(Mixture.tasks), help="comma-separated training tasks")
+    p.add_argument("--max-shots", type=int, default=Mixture.max_shots, help="most few-shot examples in training")
+    p.add_argument("--seq-len", type=int, default=320, help="training sequence length (longer samples are redrawn)")
+    p.add_argument("--pool", type=int, help="distinct training sequences (default: steps x batch, at most 2^20)")
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="processes that build the pool")
+    p.add_argument("--compute-dtype", choices=["bfloat16", "float32"],
+                   help="matmul dtype (default: bfloat16 on GPU, float32 on CPU); weights stay float32")
+    p.add_argument("--attn", choices=["xla", "cudnn"], default="xla", help="attention backend")
+    p.add_argument("--ckpt-dir", type=Path, help="orbax checkpoints (default: OUT/checkpoints)")
+    p.add_argument("--ckpt-every", type=int, default=500)
+    p.add_argument("--max-seconds", type=float, help="stop (checkpoint + export) after this long; rerun to resume")
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--plot", action="store_true", help="write OUT/loss.png (needs matplotlib; or later: "
+                   "python -m eval.plot_losses OUT/losses.json)")
+    p.add_argument("--eval-n", type=int, default=0, help="held-out questions per setting to score after training")
+    p.add_argument("--eval-tasks", default=",".join(TASKS))
+    args = p.parse_args(argv)
+
+    tasks = tuple(args.tasks.split(","))
+    default_weights = dict(zip(Mixture.tasks, Mixture.weights))
+    mixture = Mixture(tasks, tuple(default_weights.get(t, 1.0) for t in tasks), args.max_shots)
+    dtype = args.compute_dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    recipe = Recipe(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, compute_dtype=dtype,
+                    attn_backend=args.attn)
+    train(args.family, args.out, recipe, seed=args.seed, tiny=args.tiny, mixture=mixture, seq_len=args.seq_len,
+          pool_size=args.pool, workers=args.workers, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
+          log_every=args.log_every, max_seconds=args.max_seconds)
+    if args.plot:
+        from eval.plot_losses import plot_losses
+
+        plot_losses(args.out / "losses.json", args.out / "loss.png")
+    if args.eval_n:
+        from acache_jax.checkpoint import load
+        from eval.accuracy import grid
+
+        rows = grid(load(args.out), args.eval_tasks.split(","), args.eval_n)
+        _write_json(args.out / "eval.json", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

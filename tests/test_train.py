@@ -1,0 +1,142 @@
+"""Training: the forward process, the loss going down, resuming, the HF export round trip, model sizes."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors import safe_open
+
+import acache_jax
+from acache_jax.config import ModelConfig
+from acache_jax.model import Model, Transformer
+from convert.export_hf import export_hf, hf_config
+from eval.tokenizer import build_tokenizer, special_ids
+from eval.plot_losses import plot_losses
+from eval.train import SIZES, Recipe, TrainState, corrupt, model_config, optimizer, train, train_step
+from eval.train_data import Mixture, build_pool
+from tests.hf_checkpoints import hf_shapes
+
+IDS = dict(mask_token_id=2, eos_token_id=3, pad_token_id=0)
+SMALL = Mixture(("codebook",), (1.0,), max_shots=1)  # short sequences: fits seq_len 128
+
+
+def _tiny(family: str) -> ModelConfig:
+    """One layer, one 64-wide head: the smallest model with the shipped head_dim."""
+    kv = {"num_kv_heads": 1}
+    return ModelConfig(family=family, vocab_size=256, hidden_size=64, num_layers=1, num_heads=1, head_dim=64,
+                       intermediate_size=96, rope_theta=10000.0, rms_norm_eps=1e-6, max_seq_len=512,
+                       qkv_bias=family == "dream", **kv, **IDS)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    tok = build_tokenizer()
+    ids = special_ids(tok)
+    return build_pool(tok, 64, 128, seed=0, mixture=SMALL, eos_id=ids["eos_token_id"], pad_id=ids["pad_token_id"])
+
+
+def test_pool_is_seeded_and_laid_out_like_inference(pool):
+    tok = build_tokenizer()
+    ids = special_ids(tok)
+    again = build_pool(tok, 64, 128, seed=0, mixture=SMALL, eos_id=ids["eos_token_id"], pad_id=ids["pad_token_id"])
+    other = build_pool(tok, 64, 128, seed=1, mixture=SMALL, eos_id=ids["eos_token_id"], pad_id=ids["pad_token_id"])
+    np.testing.assert_array_equal(pool.tokens, again.tokens)
+    assert not np.array_equal(pool.tokens, other.tokens)
+    for row, start, length in zip(pool.tokens, pool.gen_start, pool.length):
+        gen = row[start:start + 32].tolist()
+        assert tok.id_to_token(int(row[start - 1])) == "<|assistant|>"  # the generation follows the prompt
+        assert gen[-1] == ids["eos_token_id"] and ids["pad_token_id"] not in gen
+        assert (row[length:] == ids["pad_token_id"]).all() and ids["pad_token_id"] not in row[:length].tolist()
+    with pytest.raises(ValueError, match="too short for this mixture"):
+        build_pool(tok, 4, 40, seed=0, mixture=SMALL, eos_id=ids["eos_token_id"], pad_id=ids["pad_token_id"])
+
+
+def test_forward_process_masks_only_the_generation_region():
+    recipe = Recipe(batch=64, gen_length=8)
+    tokens = jnp.tile(jnp.arange(3, 43, dtype=jnp.int32), (64, 1))
+    gen_start = jnp.arange(64, dtype=jnp.int32) % 20 + 5
+    noisy, cols, masked, ratio = corrupt(tokens, gen_start, jax.random.key(0), 0, recipe)
+    outside = jnp.ones(tokens.shape, bool).at[jnp.arange(64)[:, None], cols].set(False)
+    assert bool((noisy == tokens)[outside].all())
+    gen, clean = jnp.take_along_axis(noisy, cols, 1), jnp.take_along_axis(tokens, cols, 1)
+    assert bool((gen == jnp.where(masked, 0, clean)).all())
+    gaps = np.diff(np.sort(np.asarray(ratio)))  # stratified: evenly spread over [eps, 1)
+    assert ratio.min() >= recipe.mask_eps and ratio.max() <= 1
+    assert np.allclose(gaps, (1 - recipe.mask_eps) / 64, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_loss_decreases(family, pool):
+    cfg = _tiny(family)
+    recipe = Recipe(steps=30, batch=16, lr=3e-3, warmup=3, compute_dtype="float32")
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    state = TrainState(params, optimizer(recipe).init(params), jnp.int32(0))
+    device_pool = jax.device_put(pool)
+    losses = []
+    for _ in range(recipe.steps):
+        state, loss = train_step(graphdef, recipe, cfg.mask_token_id, state, device_pool, jax.random.key(0))
+        losses.append(float(loss))
+    assert int(state.step) == recipe.steps
+    assert np.mean(losses[-5:]) < 0.5 * np.mean(losses[:3]), losses
+
+
+def test_resume_continues_as_if_uninterrupted(tmp_path):
+    recipe = Recipe(steps=4, batch=4, warmup=1, compute_dtype="float32")
+    kwargs = dict(tiny=True, mixture=SMALL, seq_len=128, pool_size=16, ckpt_every=2, log_every=1, progress=False)
+    _, whole = train("dream", tmp_path / "a", recipe, **kwargs)
+    train("dream", tmp_path / "b", recipe, **kwargs, max_seconds=0.0)  # out of time after one step
+    assert len(json.loads((tmp_path / "b" / "losses.json").read_text())["loss"]) == 1
+    assert (tmp_path / "b" / "model.safetensors").is_file()  # what there was got exported
+    _, resumed = train("dream", tmp_path / "b", recipe, **kwargs)
+    jax.tree.map(np.testing.assert_array_equal, whole, resumed)
+    losses = json.loads((tmp_path / "a" / "losses.json").read_text())
+    assert losses == json.loads((tmp_path / "b" / "losses.json").read_text()) and len(losses["loss"]) == 4
+    model = acache_jax.load(tmp_path / "a")  # the export: HF layout + tokenizer
+    assert model.config.family == "dream" and model.tokenizer.mask_token_id == model.config.mask_token_id
+    with pytest.raises(SystemExit, match="other settings"):
+        train("dream", tmp_path / "a", Recipe(steps=5, batch=4, warmup=1), **kwargs)
+    plot_losses(tmp_path / "a" / "losses.json", tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_export_round_trips_logits(family, tmp_path):
+    cfg = _tiny(family)
+    assert ModelConfig.from_hf(hf_config(cfg)) == cfg
+    module = Transformer(cfg, rngs=nnx.Rngs(3))
+    ids = np.array([[5, 9, 0, 0, 17, 3, 4], [8, 8, 0, 1, 2, 3, 0]], np.int32)
+    reference = Model.from_module(module)
+    export_hf(tmp_path / "f32", cfg, reference.params, dtype="float32")
+    np.testing.assert_array_equal(acache_jax.load(tmp_path / "f32").logits(ids), reference.logits(ids))
+    export_hf(tmp_path / "bf16", cfg, reference.params)
+    loaded = acache_jax.load(tmp_path / "bf16")
+    assert loaded.dtype == jnp.bfloat16
+    as_bf16 = Model(cfg, reference.graphdef, jax.tree.map(lambda p: p.astype(jnp.bfloat16), reference.params))
+    np.testing.assert_array_equal(loaded.logits(ids), as_bf16.logits(ids))
+    with safe_open(tmp_path / "bf16" / "model.safetensors", "np") as f:  # names written out independently
+        assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == hf_shapes(hf_config(cfg))
+
+
+@pytest.mark.parametrize("family", sorted(SIZES))
+def test_shipped_sizes_fit_ten_megabytes(family):
+    cfg = model_config(family, len(build_tokenizer().get_vocab()), IDS)
+    assert cfg.head_dim == 64 and cfg.num_params * 2 <= 10e6
+    assert (cfg.num_kv_heads < cfg.num_heads and cfg.qkv_bias) if family == "dream" else not cfg.qkv_bias
+
+
+def test_accuracy_scores_generated_answers(tmp_path):
+    from eval.accuracy import accuracy, answer_text
+    from eval.tokenizer import save_tokenizer
+
+    tokenizer = build_tokenizer()
+    cfg = dataclasses.replace(_tiny("llada"), **special_ids(tokenizer))
+    save_tokenizer(tokenizer, tmp_path)
+    export_hf(tmp_path, cfg, nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1], dtype="float32")
+    model = acache_jax.load(tmp_path)
+    eos, bathroom = model.config.eos_token_id, tokenizer.token_to_id("bathroom")
+    assert answer_text(model, [bathroom, eos, bathroom]) == "bathroom"
+    assert accuracy(model, "babi", "suffix", 1, 2) in (0.0, 0.5, 1.0)
