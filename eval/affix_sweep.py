@@ -1,0 +1,151 @@
+"""Accuracy sweep over anchor ratios, affix placements and shots (analogues of the paper's figures 4, 5, 7).
+
+    python -m eval.affix_sweep --models DIR[,DIR] [--tasks babi,arithmetic,codebook] [-n 128] --out DIR
+
+Per model, task, placement and shots, every policy decodes the same held-out questions with the
+same shared few-shot affix (full recompute = the dual cache, which recomputes the affix in place):
+- ACache at each `--ratios` value with the attention selector and KeepNA (ratio 0 = direct reuse);
+- at `--ablation-ratio`: DropNA (non-anchor affix K/V dropped) and the hkvd selector;
+- per task, the accuracy without any affix.
+Writes OUT/sweep.json, OUT/fig4_ratio.png (accuracy vs ratio per placement), OUT/fig5_selectors.png
+(attention vs hkvd), OUT/fig7_dropna.png (KeepNA vs DropNA) and OUT/RESULTS_table.md: per placement,
+direct / ablation ratio / full recompute and the fraction of the gap the ablation ratio recovers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from acache_jax.checkpoint import load
+from eval.accuracy import FULL_RECOMPUTE, accuracy
+from eval.tasks import TASKS
+
+PLACEMENTS = ("prefix", "infix", "suffix")
+
+
+def settings(ratios: list[float], ablation: float) -> dict[str, Any]:
+    """Policy name -> DecodeConfig overrides of the full-recompute config."""
+    out: dict[str, dict] = {"full": {}}
+    out |= {f"acache@{r:g}": dict(cache="acache", anchor_ratio=r) for r in ratios}
+    out[f"dropna@{ablation:g}"] = dict(cache="acache", anchor_ratio=ablation, drop_non_anchor=True)
+    out[f"hkvd@{ablation:g}"] = dict(cache="acache", anchor_ratio=ablation, selector="hkvd")
+    return out
+
+
+def sweep(model_dirs: list[Path], tasks: list[str], placements: list[str], shots: list[int], ratios: list[float],
+          ablation: float, n: int, seed: int = 0, report=print) -> list[dict[str, Any]]:
+    import dataclasses
+
+    rows = []
+    for model_dir in model_dirs:
+        model = load(model_dir)
+        for task in tasks:
+            acc = accuracy(model, task, "none", 0, n, seed, FULL_RECOMPUTE)
+            rows.append(dict(model=model_dir.name, task=task, placement="none", shots=0, policy="full", accuracy=acc))
+            report(json.dumps(rows[-1]))
+            for placement in placements:
+                for k in shots:
+                    for policy, overrides in settings(ratios, ablation).items():
+                        config = dataclasses.replace(FULL_RECOMPUTE, **overrides)
+                        acc = accuracy(model, task, placement, k, n, seed, config)
+                        rows.append(dict(model=model_dir.name, task=task, placement=placement, shots=k, policy=policy,
+                                         accuracy=acc))
+                        report(json.dumps(rows[-1]))
+    return rows
+
+
+def summary_table(rows: list[dict[str, Any]], ablation: float) -> str:
+    """Per (model, task, placement, shots): no affix, direct, ablation ratio, full, gap recovered, DropNA, hkvd."""
+    index = {(r["model"], r["task"], r["placement"], r["shots"], r["policy"]): r["accuracy"] for r in rows}
+    a = f"{ablation:g}"
+    lines = [f"| model | task | placement | shots | no affix | direct | ACache {a} | full | gap recovered | "
+             f"DropNA {a} | hkvd {a} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (model, task, placement, shots, policy), _ in index.items():
+        if policy != "full" or placement == "none":
+            continue
+        get = lambda p: index.get((model, task, placement, shots, p), float("nan"))
+        direct, mid, full = get("acache@0"), get(f"acache@{a}"), get("full")
+        gap = full - direct
+        recovered = f"{(mid - direct) / gap:.0%}" if gap > 0 else "no gap"
+        lines.append(f"| {model} | {task} | {placement} | {shots} | {index.get((model, task, 'none', 0, 'full')):.2f} | "
+                     f"{direct:.2f} | {mid:.2f} | {full:.2f} | {recovered} | {get(f'dropna@{a}'):.2f} | "
+                     f"{get(f'hkvd@{a}'):.2f} |")
+    return "\n".join(lines)
+
+
+def plots(rows: list[dict[str, Any]], ratios: list[float], ablation: float, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    index = {(r["model"], r["task"], r["placement"], r["shots"], r["policy"]): r["accuracy"] for r in rows}
+    groups = sorted({(r["model"], r["task"]) for r in rows})
+    shots = sorted({r["shots"] for r in rows if r["shots"]})
+    a = f"{ablation:g}"
+
+    fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.4), squeeze=False)
+    for ax, (model, task) in zip(axes[0], groups):
+        for placement in PLACEMENTS:
+            for k in shots:
+                ys = [index.get((model, task, placement, k, f"acache@{r:g}")) for r in ratios]
+                if all(y is not None for y in ys):
+                    ax.plot(ratios, ys, marker="o", label=f"{placement} {k}-shot")
+                    ax.axhline(index.get((model, task, placement, k, "full"), float("nan")), lw=0.5, ls=":")
+        ax.set(title=f"{model} / {task}", xlabel="anchor ratio", ylabel="accuracy", ylim=(-0.02, 1.02))
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "fig4_ratio.png", dpi=110)
+    plt.close(fig)
+
+    for name, policy, label in (("fig5_selectors.png", f"hkvd@{a}", "hkvd"),
+                                ("fig7_dropna.png", f"dropna@{a}", "DropNA")):
+        fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.4), squeeze=False)
+        for ax, (model, task) in zip(axes[0], groups):
+            keys = [(p, k) for p in PLACEMENTS for k in shots]
+            xs = range(len(keys))
+            base = [index.get((model, task, p, k, f"acache@{a}"), float("nan")) for p, k in keys]
+            other = [index.get((model, task, p, k, policy), float("nan")) for p, k in keys]
+            ax.bar([x - 0.2 for x in xs], base, 0.4, label=f"attention, KeepNA @{a}")
+            ax.bar([x + 0.2 for x in xs], other, 0.4, label=f"{label} @{a}")
+            ax.set_xticks(list(xs), [f"{p[:3]} {k}" for p, k in keys], fontsize=7)
+            ax.set(title=f"{model} / {task}", ylabel="accuracy", ylim=(0, 1.02))
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.affix_sweep", description=__doc__.splitlines()[0])
+    p.add_argument("--models", required=True, help="comma-separated model directories")
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--placements", default=",".join(PLACEMENTS))
+    p.add_argument("--shots", default="1,2")
+    p.add_argument("--ratios", default="0,0.1,0.2,0.3,0.5,1")
+    p.add_argument("--ablation-ratio", type=float, default=0.2)
+    p.add_argument("-n", type=int, default=128, help="questions per setting")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    if 0.0 not in ratios:
+        p.error("--ratios must include 0 (direct reuse): the summary measures the gap from it")
+    rows = sweep([Path(m) for m in args.models.split(",")], args.tasks.split(","), args.placements.split(","),
+                 [int(k) for k in args.shots.split(",")], ratios, args.ablation_ratio, args.n, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sweep.json").write_text(json.dumps(dict(ratios=ratios, n=args.n, seed=args.seed, rows=rows), indent=1))
+    (args.out / "RESULTS_table.md").write_text(summary_table(rows, args.ablation_ratio) + "\n")
+    if not args.no_plots:
+        plots(rows, ratios, args.ablation_ratio, args.out)
+    print(summary_table(rows, args.ablation_ratio))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
