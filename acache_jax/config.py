@@ -16,8 +16,9 @@ Family = Literal["llada", "dream"]
 # model_type in config.json -> our family name.
 _FAMILIES: dict[str, Family] = {"llada": "llada", "Dream": "dream"}
 
-# Upstream options that would change the computation; each must hold the value we implement.
-_LLADA_FIXED = {
+# Upstream options that would change the computation; each must hold the value we implement
+# (the exporter writes them, the reader checks them).
+LLADA_FIXED = {
     "weight_tying": False,
     "scale_logits": False,
     "alibi": False,
@@ -29,7 +30,7 @@ _LLADA_FIXED = {
     "input_emb_norm": False,
     "include_bias": False,  # biases on every linear layer; q/k/v-only biases are `include_qkv_bias`
 }
-_DREAM_FIXED = {"tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False}
+DREAM_FIXED = {"tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False}
 
 
 class ConfigError(ValueError):
@@ -80,7 +81,7 @@ class ModelConfig:
         family = _FAMILIES[model_type]
         read = _Reader(hf, model_type)
         if family == "llada":
-            read.check_fixed(_LLADA_FIXED)
+            read.check_fixed(LLADA_FIXED)
             hidden, heads = read.int("d_model"), read.int("n_heads")
             kv_heads = hf.get("n_kv_heads") or heads
             cfg = cls(
@@ -102,7 +103,7 @@ class ModelConfig:
                 bos_token_id=hf.get("bos_token_id"),
             )
         else:
-            read.check_fixed(_DREAM_FIXED)
+            read.check_fixed(DREAM_FIXED)
             hidden, heads = read.int("hidden_size"), read.int("num_attention_heads")
             cfg = cls(
                 family=family,

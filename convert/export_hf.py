@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from acache_jax.checkpoint import TOKENIZER_FILES
-from acache_jax.config import _DREAM_FIXED, _LLADA_FIXED, ModelConfig
+from acache_jax.config import DREAM_FIXED, LLADA_FIXED, ModelConfig
 from convert.hf_layout import NUMPY_DTYPES, key_map
 
 
@@ -30,7 +30,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
         ids["bos_token_id"] = cfg.bos_token_id
     if cfg.family == "llada":
         return {
-            "model_type": "llada", "architectures": ["LLaDAModelLM"], **_LLADA_FIXED,
+            "model_type": "llada", "architectures": ["LLaDAModelLM"], **LLADA_FIXED,
             "d_model": cfg.hidden_size, "n_heads": cfg.num_heads, "n_kv_heads": cfg.num_kv_heads,
             "n_layers": cfg.num_layers, "mlp_hidden_size": cfg.intermediate_size,
             "vocab_size": cfg.vocab_size, "embedding_size": cfg.vocab_size,
@@ -41,7 +41,7 @@ def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     if not cfg.qkv_bias:
         raise ValueError("the Dream layout always has q/k/v biases; this config has none")
     return {
-        "model_type": "Dream", "architectures": ["DreamModel"], **_DREAM_FIXED,
+        "model_type": "Dream", "architectures": ["DreamModel"], **DREAM_FIXED,
         "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "num_hidden_layers": cfg.num_layers,
         "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
