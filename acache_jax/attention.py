@@ -117,9 +117,8 @@ def attend(
     q = rope(q, positions, rope_theta)
     kernel_backend = "pallas" if backend == "pallas" else "xla"
     scores = ext = None
-    if kv is not None:
-        k_ext, v_ext = kv.k[layer], kv.v[layer]
-        ext = _as_pool(k_ext, v_ext, kv.slots, kv.positions, kv.valid)
+    if kv is not None and (backend == "pallas" or probe is not None):
+        ext = _as_pool(kv.k[layer], kv.v[layer], kv.slots, kv.positions, kv.valid)
         if probe is not None:
             pool, _, slots, k_pos, lens, order = ext
             sorted_scores = anchor_importance(q, pool, slots, lens, probe, k_positions=k_pos, rope_theta=rope_theta,

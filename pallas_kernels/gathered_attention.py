@@ -113,18 +113,26 @@ def merge_partials(outs: list[jax.Array], lses: list[jax.Array]) -> jax.Array:
     return jnp.where(norm > 0, total / jnp.where(norm > 0, norm, 1.0), 0.0).astype(outs[0].dtype)
 
 
-def _reference(q, k_pool, v_pool, slots, kv_lens, k_positions, rope_theta, sm_scale):
-    """The oracle: gather, rotate, masked softmax, all in plain jnp."""
+def _reference_scores(q, k_pool, slots, kv_lens, k_positions, rope_theta, sm_scale):
+    """Plain jnp: gather the keys, rotate them, score them. Returns (scores [B, Tq, Hkv, G, Tk] fp32
+    with -inf beyond kv_lens, in-range slots [B, Tk], the in-range mask [B, Tk])."""
     b, tq, hq, d = q.shape
     hkv = k_pool.shape[1]
     valid = jnp.arange(slots.shape[1])[None] < kv_lens[:, None]
     slots = jnp.where(valid, slots, 0)
-    k, v = k_pool[slots], v_pool[slots]  # [B, Tk, Hkv, D]
+    k = k_pool[slots]  # [B, Tk, Hkv, D]
     if k_positions is not None:
         k = rope(k, k_positions, rope_theta)
     qg = q.reshape(b, tq, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    scores = jnp.where(valid[:, None, None, None, :], scores, -jnp.inf)
+    return jnp.where(valid[:, None, None, None, :], scores, -jnp.inf), slots, valid
+
+
+def _reference(q, k_pool, v_pool, slots, kv_lens, k_positions, rope_theta, sm_scale):
+    """The oracle: gather, rotate, masked softmax, all in plain jnp."""
+    b, tq, hq, d = q.shape
+    scores, slots, _ = _reference_scores(q, k_pool, slots, kv_lens, k_positions, rope_theta, sm_scale)
+    v = v_pool[slots]
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(scores - m)
@@ -370,16 +378,9 @@ def anchor_importance(
     read_slot_map, kv_lens = read_slot_map.astype(jnp.int32), kv_lens.astype(jnp.int32)
     weights = query_weights.astype(jnp.float32)
     if backend == "xla":
-        valid = jnp.arange(read_slot_map.shape[1])[None] < kv_lens[:, None]
-        k = k_pool[jnp.where(valid, read_slot_map, 0)]
-        if k_positions is not None:
-            k = rope(k, k_positions, rope_theta)
-        hkv = k.shape[2]
-        qg = q.reshape(b, tq, hkv, hq // hkv, d)
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * sm_scale
-        probs = jax.nn.softmax(jnp.where(valid[:, None, None, None], scores, -jnp.inf), axis=-1)
-        probs = jnp.where(valid[:, None, None, None], probs, 0.0)
-        return jnp.einsum("bhgqk,bq->bk", probs, weights)
+        scores, _, valid = _reference_scores(q, k_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale)
+        probs = jnp.where(valid[:, None, None, None, :], jax.nn.softmax(scores, axis=-1), 0.0)
+        return jnp.einsum("bqhgk,bq->bk", probs, weights)
     if backend != "pallas":
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     interpret = _interpret(interpret, d)

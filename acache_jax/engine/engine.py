@@ -185,18 +185,19 @@ class Engine:
         self.pool = runner.fill_affix(self.pool, cache, jax.numpy.asarray(seq.shared_slots))
         self.stats.affix_fills += 1
 
-    def _rows(self, seqs: list[Sequence], columns: list[np.ndarray], width: int | None = None) -> runner.Rows:
-        n, width = batch_bucket(len(seqs)), width or bucket(max(len(c) for c in columns))
-        tokens = _pad([s.token_ids[c] for s, c in zip(seqs, columns)], width, np.int32(self.model.config.pad_token_id), n)
-        positions = _pad([c.astype(np.int32) for c in columns], width, np.int32(0), n)
-        valid = _pad([np.ones(len(c), bool) for c in columns], width, np.False_, n)
-        return runner.Rows(tokens, positions, valid)
+    @staticmethod
+    def _per_column(values: list[np.ndarray], columns: list[np.ndarray], fill, width: int | None = None):
+        """(values, positions, valid) of each row's columns, padded to a bucketed [rows, width]."""
+        n, width = batch_bucket(len(columns)), width or bucket(max(1, max(len(c) for c in columns)))
+        return (_pad(values, width, fill, n), _pad([c.astype(np.int32) for c in columns], width, np.int32(0), n),
+                _pad([np.ones(len(c), bool) for c in columns], width, np.False_, n))
 
-    def _reads(self, seqs: list[Sequence], columns: list[np.ndarray], slots: list[np.ndarray]) -> runner.Reads:
-        n, width = batch_bucket(len(seqs)), bucket(max(1, max(len(c) for c in columns)))
-        return runner.Reads(_pad(slots, width, np.int32(0), n), _pad([c.astype(np.int32) for c in columns], width,
-                                                                     np.int32(0), n),
-                            _pad([np.ones(len(c), bool) for c in columns], width, np.False_, n))
+    def _rows(self, seqs: list[Sequence], columns: list[np.ndarray], width: int | None = None) -> runner.Rows:
+        tokens = [s.token_ids[c] for s, c in zip(seqs, columns)]
+        return runner.Rows(*self._per_column(tokens, columns, np.int32(self.model.config.pad_token_id), width))
+
+    def _reads(self, columns: list[np.ndarray], slots: list[np.ndarray]) -> runner.Reads:
+        return runner.Reads(*self._per_column(slots, columns, np.int32(0)))
 
     def _commit_inputs(self, seqs: list[Sequence]) -> runner.CommitInputs:
         n = batch_bucket(len(seqs))
@@ -214,7 +215,7 @@ class Engine:
 
     def _probe(self, seqs: list[Sequence]) -> None:
         cols = [np.setdiff1d(np.arange(s.num_columns), s.affix_columns) for s in seqs]
-        reads = self._reads(seqs, [s.affix_columns for s in seqs], [s.shared_slots for s in seqs])
+        reads = self._reads([s.affix_columns for s in seqs], [s.shared_slots for s in seqs])
         start = time.perf_counter()
         order = runner.probe_step(self.model.graphdef, self.config, self.model.params, self.pool,
                                   self._rows(seqs, cols), reads)
@@ -237,7 +238,7 @@ class Engine:
         if any(s.shares_affix for s in seqs) and not self.config.drop_non_anchor:
             shared = [np.setdiff1d(s.affix_columns, s.affix_start + s.anchors) if s.shares_affix else
                       np.zeros(0, np.int64) for s in seqs]
-            reads = self._reads(seqs, shared, [s.read_slot_map[c] for s, c in zip(seqs, shared)])
+            reads = self._reads(shared, [s.read_slot_map[c] for s, c in zip(seqs, shared)])
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
         self.pool, blocks = runner.recompute_step(self.model.graphdef, self.config, self.model.params, self.pool,
@@ -258,7 +259,7 @@ class Engine:
                 keep[seq.affix_columns] = False
                 keep[seq.affix_start + seq.anchors] = True
             cols.append(np.flatnonzero(keep))
-        reads = self._reads(seqs, cols, [s.read_slot_map[c] for s, c in zip(seqs, cols)])
+        reads = self._reads(cols, [s.read_slot_map[c] for s, c in zip(seqs, cols)])
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
         blocks = runner.decode_step(self.model.graphdef, self.config, self.model.params, self.pool,
