@@ -1,6 +1,7 @@
 """Accuracy sweep over anchor ratios, affix placements and shots (analogues of the paper's figures 4, 5, 7).
 
     python -m eval.affix_sweep --models DIR[,DIR] [--tasks babi,arithmetic,codebook] [-n 128] --out DIR
+    python -m eval.affix_sweep --merge OUT1,OUT2,... --out DIR   # shards run in parallel processes
 
 Per model, task, placement and shots, every policy decodes the same held-out questions with the
 same shared few-shot affix (full recompute = the dual cache, which recomputes the affix in place):
@@ -15,8 +16,10 @@ direct / ablation ratio / full recompute and the fraction of the gap the ablatio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,25 +40,33 @@ def settings(ratios: list[float], ablation: float) -> dict[str, Any]:
 
 
 def sweep(model_dirs: list[Path], tasks: list[str], placements: list[str], shots: list[int], ratios: list[float],
-          ablation: float, n: int, seed: int = 0, report=print) -> list[dict[str, Any]]:
-    import dataclasses
-
-    rows = []
+          ablation: float, n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
+    """One row per (model, task, placement, shots, policy), as each is measured."""
     for model_dir in model_dirs:
         model = load(model_dir)
         for task in tasks:
             acc = accuracy(model, task, "none", 0, n, seed, FULL_RECOMPUTE)
-            rows.append(dict(model=model_dir.name, task=task, placement="none", shots=0, policy="full", accuracy=acc))
-            report(json.dumps(rows[-1]))
+            yield dict(model=model_dir.name, task=task, placement="none", shots=0, policy="full", accuracy=acc)
             for placement in placements:
                 for k in shots:
                     for policy, overrides in settings(ratios, ablation).items():
                         config = dataclasses.replace(FULL_RECOMPUTE, **overrides)
                         acc = accuracy(model, task, placement, k, n, seed, config)
-                        rows.append(dict(model=model_dir.name, task=task, placement=placement, shots=k, policy=policy,
-                                         accuracy=acc))
-                        report(json.dumps(rows[-1]))
-    return rows
+                        yield dict(model=model_dir.name, task=task, placement=placement, shots=k, policy=policy,
+                                   accuracy=acc)
+
+
+def merge(paths: list[Path], ratios: list[float], n: int, seed: int) -> list[dict[str, Any]]:
+    """The rows of several shards' sweep.json (run with the same ratios, n and seed), each setting once."""
+    rows: dict[tuple, dict[str, Any]] = {}
+    for path in paths:
+        shard = json.loads(path.read_text())
+        if (shard["ratios"], shard["n"], shard["seed"]) != (ratios, n, seed):
+            raise SystemExit(f"error: {path} was run with ratios {shard['ratios']}, n {shard['n']}, seed "
+                             f"{shard['seed']}; merging needs the same --ratios, -n and --seed")
+        for r in shard["rows"]:
+            rows.setdefault((r["model"], r["task"], r["placement"], r["shots"], r["policy"]), r)
+    return list(rows.values())
 
 
 def summary_table(rows: list[dict[str, Any]], ablation: float) -> str:
@@ -71,7 +82,7 @@ def summary_table(rows: list[dict[str, Any]], ablation: float) -> str:
         direct, mid, full = get("acache@0"), get(f"acache@{a}"), get("full")
         gap = full - direct
         recovered = f"{(mid - direct) / gap:.0%}" if gap > 0 else "no gap"
-        lines.append(f"| {model} | {task} | {placement} | {shots} | {index.get((model, task, 'none', 0, 'full')):.2f} | "
+        lines.append(f"| {model} | {task} | {placement} | {shots} | {index.get((model, task, 'none', 0, 'full'), float('nan')):.2f} | "
                      f"{direct:.2f} | {mid:.2f} | {full:.2f} | {recovered} | {get(f'dropna@{a}'):.2f} | "
                      f"{get(f'hkvd@{a}'):.2f} |")
     return "\n".join(lines)
@@ -122,7 +133,9 @@ def plots(rows: list[dict[str, Any]], ratios: list[float], ablation: float, out:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.affix_sweep", description=__doc__.splitlines()[0])
-    p.add_argument("--models", required=True, help="comma-separated model directories")
+    p.add_argument("--models", help="comma-separated model directories")
+    p.add_argument("--merge", help="comma-separated output directories of earlier runs (shards): combine their "
+                   "rows instead of decoding")
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--placements", default=",".join(PLACEMENTS))
     p.add_argument("--shots", default="1,2")
@@ -136,10 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     ratios = [float(r) for r in args.ratios.split(",")]
     if 0.0 not in ratios:
         p.error("--ratios must include 0 (direct reuse): the summary measures the gap from it")
-    rows = sweep([Path(m) for m in args.models.split(",")], args.tasks.split(","), args.placements.split(","),
-                 [int(k) for k in args.shots.split(",")], ratios, args.ablation_ratio, args.n, args.seed)
+    if (args.models is None) == (args.merge is None):
+        p.error("give either --models or --merge")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sweep.json").write_text(json.dumps(dict(ratios=ratios, n=args.n, seed=args.seed, rows=rows), indent=1))
+    write = lambda rows: (args.out / "sweep.json").write_text(
+        json.dumps(dict(ratios=ratios, n=args.n, seed=args.seed, rows=rows), indent=1))
+    if args.merge:
+        rows = merge([Path(d) / "sweep.json" for d in args.merge.split(",")], ratios, args.n, args.seed)
+    else:  # written after every row, so a run that is stopped keeps what it measured
+        rows = []
+        for row in sweep([Path(m) for m in args.models.split(",")], args.tasks.split(","),
+                         args.placements.split(","), [int(k) for k in args.shots.split(",")], ratios,
+                         args.ablation_ratio, args.n, args.seed):
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            write(rows)
+    write(rows)
     (args.out / "RESULTS_table.md").write_text(summary_table(rows, args.ablation_ratio) + "\n")
     if not args.no_plots:
         plots(rows, ratios, args.ablation_ratio, args.out)

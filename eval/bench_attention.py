@@ -140,30 +140,32 @@ def check_decode() -> dict:
     return result
 
 
-def time_chain(fn, q, rotations: int, unrolled: bool, target_s: float = 0.03) -> float:
-    """Seconds per call of fn(q, r) -> q' (r: which K/V set), chained over the sets inside one loop.
+def time_chain(fn, q, data, rotations: int, unrolled: bool, target_s: float = 0.03) -> float:
+    """Seconds per call of fn(q, r, data) -> q' (r: which K/V set), chained over the sets in one loop.
 
+    data (the K/V sets) is an argument of the compiled loop, never a captured constant: XLA would
+    embed hundreds of MB of constants in the program and take many seconds to compile it.
     unrolled: one traced call per set (inputs that must be separate arrays); otherwise r is traced.
     """
     @jax.jit
-    def run(q, reps):
+    def run(q, data, reps):
         def body(i, q):
             if unrolled:
                 for r in range(rotations):
-                    q = fn(q, r)
+                    q = fn(q, r, data)
                 return q
-            return fn(q, i % rotations)
+            return fn(q, i % rotations, data)
         return jax.lax.fori_loop(0, reps if unrolled else reps * rotations, body, q)
 
-    run(q, 1).block_until_ready()
+    run(q, data, 1).block_until_ready()
     start = time.perf_counter()
-    run(q, 1).block_until_ready()
+    run(q, data, 1).block_until_ready()
     once = time.perf_counter() - start
     reps = int(min(200, max(2, target_s / max(once, 1e-6))))
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        run(q, reps).block_until_ready()
+        run(q, data, reps).block_until_ready()
         times.append(time.perf_counter() - start)
     return statistics.median(times) / (reps * rotations)
 
@@ -178,17 +180,23 @@ def shape_inputs(model: str, b: int, tq: int, tk: int):
 
 
 def implementations(kp, vp, maps, lens, positions, config):
-    """name -> (fn(q, r), unrolled) for one shape; r selects one of the K/V sets."""
-    stacked = jnp.stack(maps)
-    contiguous = [(rope(kp[m], positions, THETA), vp[m]) for m in maps]
-    with_rope = dict(k_positions=positions, rope_theta=THETA)
-    kernel = lambda **kw: lambda q, r: gathered_attention(q, kp, vp, stacked[r], lens, **config, **kw)
+    """name -> (fn(q, r, data), data, unrolled) for one shape; r selects one of the K/V sets."""
+    paged = dict(kp=kp, vp=vp, slots=jnp.stack(maps), lens=lens, positions=positions)
+    contiguous = dict(kv=[(rope(kp[m], positions, THETA), vp[m]) for m in maps], lens=lens)
+
+    def kernel(backend, use_rope, **kw):
+        def fn(q, r, d):
+            rot = dict(k_positions=d["positions"], rope_theta=THETA) if use_rope else {}
+            return gathered_attention(q, d["kp"], d["vp"], d["slots"][r], d["lens"], backend=backend, **rot, **kw)
+        return fn
+
+    cudnn = lambda q, r, d: jax.nn.dot_product_attention(q, *d["kv"][r], key_value_seq_lengths=d["lens"],
+                                                         implementation="cudnn")
     return {
-        "pallas": (kernel(**with_rope), False),
-        "pallas_norope": (kernel(), False),
-        "cudnn": (lambda q, r: jax.nn.dot_product_attention(q, *contiguous[r], key_value_seq_lengths=lens,
-                                                            implementation="cudnn"), True),
-        "xla": (lambda q, r: gathered_attention(q, kp, vp, stacked[r], lens, backend="xla", **with_rope), False),
+        "pallas": (kernel("pallas", True, **config), paged, False),
+        "pallas_norope": (kernel("pallas", False, **config), paged, False),
+        "cudnn": (cudnn, contiguous, True),
+        "xla": (kernel("xla", True), paged, False),
     }
 
 
@@ -198,20 +206,19 @@ def measure(model, b, tq, tk, config, names=None) -> dict:
     flops = 4 * b * tq * hq * tk * 128
     io_bytes = kv_bytes + 2 * q.size * 2
     row = dict(model=model, b=b, tq=tq, tk=tk)
-    for name, (fn, unrolled) in implementations(kp, vp, maps, lens, positions, config).items():
+    for name, (fn, data, unrolled) in implementations(kp, vp, maps, lens, positions, config).items():
         if names and name not in names:
             continue
         try:
-            seconds = time_chain(fn, q, len(maps), unrolled)
+            seconds = time_chain(fn, q, data, len(maps), unrolled)
             row[name] = dict(us=seconds * 1e6, tflops=flops / seconds / 1e12, tbps=io_bytes / seconds / 1e12)
         except Exception as e:  # noqa: BLE001 (a failing implementation is reported, the others still run)
             row[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
     return row
 
 
-TUNE_CONFIGS = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s, rope_tables=t)
-                for bq, bk, w, s, t in ((128, 64, 8, 2, False), (128, 64, 8, 2, True), (128, 32, 8, 2, True),
-                                        (64, 32, 4, 2, True))]
+TUNE_CONFIGS = [dict(block_q=bq, block_k=bk, num_warps=w, num_stages=s)
+                for bq, bk, w, s in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 3))]
 TUNE_SHAPES = {"decode": [("llada", 1, 32, 4096), ("llada", 16, 32, 2048), ("dream", 4, 32, 4096)],
                "recompute": [("llada", 4, 1024, 2048)]}
 
@@ -234,9 +241,14 @@ def tune() -> dict:
 
 
 def bench(best: dict, batches=(1, 4, 16), tks=(512, 1024, 2048, 4096)) -> list[dict]:
-    shapes = [(model, b, 32, tk, "decode") for model in HEADS for b in batches for tk in tks]
-    shapes += [(model, b, tq, tk, "recompute") for model in HEADS for b in (1, 4)
-               for tq, tk in ((256, 1024), (512, 2048), (1024, 4096))]
+    """Decode-block shapes at the shortest and longest Tk first, then recompute shapes, then the
+    other Tk, so a run cut short by --budget-s still spans the range."""
+    ends = [tk for tk in tks if tk in (min(tks), max(tks))]
+    decode = lambda keys: [(m, b, 32, tk, "decode") for tk in keys for b in batches for m in HEADS]
+    shapes = decode(ends)
+    shapes += [(m, b, tq, tk, "recompute") for tq, tk in ((256, 1024), (1024, 4096), (512, 2048))
+               for b in (1, 4) for m in HEADS]
+    shapes += decode([tk for tk in tks if tk not in ends])
     rows = []
     for model, b, tq, tk, regime in shapes:
         if over_budget():
@@ -274,7 +286,7 @@ def main(argv=None) -> None:
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}
     if not args.skip_check:
         result["check"] = check()
-    default = dict(block_q=128, block_k=64, num_warps=8, num_stages=2, rope_tables=False)
+    default = TUNE_CONFIGS[0]
     result["best"] = tune() if not args.skip_tune else {"decode": default, "recompute": default}
     result["bench"] = bench(result["best"], [int(b) for b in args.batches.split(",")],
                             [int(t) for t in args.tks.split(",")])

@@ -110,8 +110,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llada,dream")
-    ap.add_argument("--batches", default="16,4,1")
-    ap.add_argument("--shots", default="4,2,1")
+    ap.add_argument("--batches", default="16,1,4")
+    ap.add_argument("--shots", default="4,1,2")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs); default: the full model")
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--block", type=int, default=32)
@@ -124,17 +124,16 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     shapes = {"llada": lambda n: llada_8b(n or 32), "dream": lambda n: dream_7b(n or 28)}
+    models = {name: random_model(shapes[name](args.layers)) for name in args.models.split(",")}
     rows = []
-    for name in args.models.split(","):
-        model = random_model(shapes[name](args.layers))
-        for shots in map(int, args.shots.split(",")):
-            for batch in map(int, args.batches.split(",")):
+    for shots in map(int, args.shots.split(",")):  # models interleaved: a run cut by --budget-s covers both
+        for batch in map(int, args.batches.split(",")):
+            for name, model in models.items():
                 if time.perf_counter() - start > args.budget_s:
-                    print(json.dumps(dict(stopped="budget")), flush=True)
+                    print(json.dumps(dict(stopped="budget", measured=len(rows))), flush=True)
                     break
                 rows.append(run_case(model, name, shots, batch, args))
                 print(json.dumps({"t": round(time.perf_counter() - start, 1), **rows[-1]}), flush=True)
-        del model
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_engine.json").write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1))

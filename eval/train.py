@@ -74,6 +74,7 @@ class Recipe:
     warmup: int | None = None  # linear warmup steps (default: 5% of the steps)
     weight_decay: float = 0.1
     mask_eps: float = 1e-3
+    pretrain_fraction: float = 0.5  # rows whose prompt is masked too: dense copy signal, so retrieval is learned
     gen_length: int = GEN_LENGTH
     compute_dtype: str = "bfloat16"
     attn_backend: str = "xla"
@@ -102,32 +103,38 @@ def optimizer(recipe: Recipe) -> optax.GradientTransformation:
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=recipe.weight_decay, mask=matrices))
 
 
-def corrupt(tokens: jax.Array, gen_start: jax.Array, key: jax.Array, mask_id: int,
+def corrupt(tokens: jax.Array, gen_start: jax.Array, length: jax.Array, key: jax.Array, mask_id: int,
             recipe: Recipe) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The forward process on the generation region: (noisy tokens [B, T], its columns [B, G],
-    which of them are masked [B, G], mask ratio per sequence [B])."""
-    b = tokens.shape[0]
-    ratio_key, mask_key = jax.random.split(key)
+    """The forward process: (noisy tokens [B, T], maskable region [B, T], masked [B, T], mask ratio [B]).
+
+    The region is the generation region (SFT rows) or, for a `pretrain_fraction` of the rows, every
+    real token after the first (pretraining rows: the prompt and affixes are masked too).
+    """
+    b, t = tokens.shape
+    ratio_key, mask_key, row_key = jax.random.split(key, 3)
     ratio = (jax.random.uniform(ratio_key) + jnp.arange(b) / b) % 1.0  # one draw, spread evenly over [0, 1)
     ratio = recipe.mask_eps + (1 - recipe.mask_eps) * ratio
-    cols = gen_start[:, None] + jnp.arange(recipe.gen_length)[None]
-    target = jnp.take_along_axis(tokens, cols, axis=1)
-    masked = jax.random.uniform(mask_key, target.shape) < ratio[:, None]
-    noisy = tokens.at[jnp.arange(b)[:, None], cols].set(jnp.where(masked, mask_id, target))
-    return noisy, cols, masked, ratio
+    pos = jnp.arange(t)[None]
+    generation = (pos >= gen_start[:, None]) & (pos < gen_start[:, None] + recipe.gen_length)
+    pretrain = jax.random.uniform(row_key, (b, 1)) < recipe.pretrain_fraction
+    region = jnp.where(pretrain, (pos >= 1) & (pos < length[:, None]), generation)
+    masked = region & (jax.random.uniform(mask_key, (b, t)) < ratio[:, None])
+    return jnp.where(masked, mask_id, tokens), region, masked, ratio
 
 
 def diffusion_loss(params: nnx.State, graphdef: nnx.GraphDef, tokens: jax.Array, gen_start: jax.Array,
                    length: jax.Array, key: jax.Array, mask_id: int, recipe: Recipe) -> jax.Array:
-    """Masked-diffusion loss of a batch: tokens [B, T] int32 (right-padded), gen_start / length [B] int32."""
+    """Masked-diffusion loss of a batch: tokens [B, T] int32 (right-padded), gen_start / length [B] int32.
+    Per row: the sum over masked tokens of CE / t, divided by the region's size; then the batch mean."""
     b, t = tokens.shape
-    noisy, cols, masked, ratio = corrupt(tokens, gen_start, key, mask_id, recipe)
+    noisy, region, masked, ratio = corrupt(tokens, gen_start, length, key, mask_id, recipe)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     compute = jax.tree.map(lambda p: p.astype(recipe.compute_dtype), params)
-    logits = nnx.merge(graphdef, compute)(noisy, positions, valid=positions < length[:, None], logit_index=cols,
+    logits = nnx.merge(graphdef, compute)(noisy, positions, valid=positions < length[:, None],
                                           attn_backend=recipe.attn_backend).logits
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.take_along_axis(tokens, cols, axis=1))
-    return jnp.sum(jnp.where(masked, ce / ratio[:, None], 0.0)) / (b * recipe.gen_length)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
+    per_row = jnp.sum(jnp.where(masked, ce / ratio[:, None], 0.0), axis=1) / jnp.sum(region, axis=1)
+    return jnp.mean(per_row)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=3)
@@ -240,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=Recipe.batch)
     p.add_argument("--lr", type=float, default=Recipe.lr)
     p.add_argument("--warmup", type=int, help="warmup steps (default: 5%% of --steps)")
+    p.add_argument("--pretrain-fraction", type=float, default=Recipe.pretrain_fraction,
+                   help="share of sequences whose prompt is masked too (pretraining rows)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a small model for CPU smoke runs")
     p.add_argument("--tasks", default=",".join(Mixture.tasks), help="comma-separated training tasks")
@@ -265,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     mixture = Mixture(tasks, tuple(default_weights.get(t, 1.0) for t in tasks), args.max_shots)
     dtype = args.compute_dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     recipe = Recipe(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, compute_dtype=dtype,
+                    pretrain_fraction=args.pretrain_fraction,
                     attn_backend=args.attn)
     train(args.family, args.out, recipe, seed=args.seed, tiny=args.tiny, mixture=mixture, seq_len=args.seq_len,
           pool_size=args.pool, workers=args.workers, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,

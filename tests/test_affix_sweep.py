@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from flax import nnx
 
 from acache_jax.model import Transformer
@@ -31,3 +33,24 @@ def test_sweep_smoke(tmp_path):
     assert table.count("| tiny | codebook |") == 2
     for name in ("fig4_ratio.png", "fig5_selectors.png", "fig7_dropna.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_merge_combines_shards_and_checks_settings(tmp_path):
+    def shard(name, rows, n=4):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sweep.json").write_text(json.dumps(dict(ratios=[0.0, 1.0], n=n, seed=0, rows=rows)))
+
+    row = lambda placement, policy, acc: dict(model="m", task="codebook", placement=placement, shots=1 if placement != "none" else 0,
+                                              policy=policy, accuracy=acc)
+    shard("a", [row("none", "full", 0.1), row("prefix", "full", 0.9), row("prefix", "acache@0", 0.5)])
+    shard("b", [row("none", "full", 0.1), row("suffix", "full", 0.8), row("suffix", "acache@0", 0.2)])
+    out = tmp_path / "merged"
+    assert main(["--merge", f"{tmp_path / 'a'},{tmp_path / 'b'}", "--ratios", "0,1", "-n", "4", "--out", str(out),
+                 "--no-plots"]) == 0
+    rows = json.loads((out / "sweep.json").read_text())["rows"]
+    assert len(rows) == 5  # the no-affix row of both shards once
+    table = (out / "RESULTS_table.md").read_text()
+    assert "| m | codebook | prefix | 1 | 0.10 | 0.50 |" in table and "| m | codebook | suffix | 1 | 0.10 | 0.20 |" in table
+    shard("c", [], n=8)
+    with pytest.raises(SystemExit, match="same --ratios"):
+        main(["--merge", str(tmp_path / "c"), "--ratios", "0,1", "-n", "4", "--out", str(out)])

@@ -56,17 +56,33 @@ def test_pool_is_seeded_and_laid_out_like_inference(pool):
 
 
 def test_forward_process_masks_only_the_generation_region():
-    recipe = Recipe(batch=64, gen_length=8)
+    recipe = Recipe(batch=64, gen_length=8, pretrain_fraction=0.0)
     tokens = jnp.tile(jnp.arange(3, 43, dtype=jnp.int32), (64, 1))
     gen_start = jnp.arange(64, dtype=jnp.int32) % 20 + 5
-    noisy, cols, masked, ratio = corrupt(tokens, gen_start, jax.random.key(0), 0, recipe)
-    outside = jnp.ones(tokens.shape, bool).at[jnp.arange(64)[:, None], cols].set(False)
-    assert bool((noisy == tokens)[outside].all())
-    gen, clean = jnp.take_along_axis(noisy, cols, 1), jnp.take_along_axis(tokens, cols, 1)
-    assert bool((gen == jnp.where(masked, 0, clean)).all())
+    length = jnp.full((64,), 36, jnp.int32)
+    noisy, region, masked, ratio = corrupt(tokens, gen_start, length, jax.random.key(0), 0, recipe)
+    cols = np.arange(40)[None]
+    generation = (cols >= np.asarray(gen_start)[:, None]) & (cols < np.asarray(gen_start)[:, None] + 8)
+    assert np.array_equal(np.asarray(region), generation)
+    assert bool((masked <= region).all()) and bool((noisy == jnp.where(masked, 0, tokens)).all())
+    assert 0 < int(masked.sum()) < int(region.sum())
     gaps = np.diff(np.sort(np.asarray(ratio)))  # stratified: evenly spread over [eps, 1)
     assert ratio.min() >= recipe.mask_eps and ratio.max() <= 1
     assert np.allclose(gaps, (1 - recipe.mask_eps) / 64, atol=1e-5)
+
+
+def test_pretraining_rows_mask_the_whole_sequence():
+    recipe = Recipe(batch=256, gen_length=8, pretrain_fraction=0.5)
+    tokens = jnp.tile(jnp.arange(3, 43, dtype=jnp.int32), (256, 1))
+    gen_start, length = jnp.full((256,), 20, jnp.int32), jnp.full((256,), 30, jnp.int32)
+    _, region, masked, _ = corrupt(tokens, gen_start, length, jax.random.key(1), 0, recipe)
+    region = np.asarray(region)
+    whole = region[:, 1:30].all(1) & ~region[:, 0] & ~region[:, 30:].any(1)
+    generation = np.zeros(40, bool)
+    generation[20:28] = True
+    sft = (region == generation).all(1)
+    assert (whole | sft).all() and 0.4 < whole.mean() < 0.6  # every row is one kind, about half of each
+    assert bool((masked <= region).all())
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
