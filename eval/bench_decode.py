@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import statistics
 import time
@@ -44,17 +45,18 @@ def llada_8b(layers: int) -> ModelConfig:
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> Model:
-    """Random bf16 weights made on the device (std 0.02, norms 1)."""
+    """Random bf16 weights made on the device (std 0.02, norms 1), one small program per distinct
+    shape: a single program for every tensor of an 8B model takes minutes to compile."""
     graphdef, abstract = nnx.split(abstract_transformer(cfg, jnp.bfloat16))
     leaves, treedef = jax.tree.flatten(abstract)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    params = [jnp.ones(a.shape, a.dtype) if a.ndim == 1 else _normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)]
+    return Model(cfg, graphdef, jax.tree.unflatten(treedef, params))
 
-    @jax.jit
-    def init(key):
-        keys = jax.random.split(key, len(leaves))
-        return [jnp.ones(a.shape, a.dtype) if a.ndim == 1 else
-                (0.02 * jax.random.normal(k, a.shape, jnp.float32)).astype(a.dtype) for k, a in zip(keys, leaves)]
 
-    return Model(cfg, graphdef, jax.tree.unflatten(treedef, init(jax.random.key(seed))))
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
 
 
 def forward_flops(cfg: ModelConfig, batch: int, tq: int, tk: int, logit_tokens: int) -> float:

@@ -9,8 +9,8 @@ a GSM8K example with its worked answer) + a QUESTION_TOKENS-token question, gen 
 fixed commit schedule (`--steps`; both policies do the same NFE), ratio 0.2. Reported per policy:
 median recompute latency per call (block start), end-to-end generated tokens/s, peak KV memory
 (pool blocks in use), and MFU (matmul FLOPs performed / time / 800 TFLOP/s).
-Each configuration is compiled first (one warm-up engine iteration, several at once in threads),
-then timed on a fresh engine.
+Every case is compiled first (one warm-up engine iteration per case and policy, several at once in
+threads), then the cases are timed one after another on fresh engines.
 """
 
 from __future__ import annotations
@@ -60,23 +60,30 @@ def engine_flops(cfg: ModelConfig, engine: Engine, affix_len: int, policy: str, 
     return flops
 
 
-def run_case(model, name: str, shots: int, batch: int, args) -> dict:
-    cfg = model.config
+def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[int], list[Request], int, dict]:
+    """(affix, requests, pool tokens, policy -> DecodeConfig) of one case."""
     affix, requests = workload(cfg, shots, batch)
     pool_tokens = batch * (len(affix) + QUESTION_TOKENS + args.gen) + len(affix) + 64 * batch
-    row = dict(model=name, shots=shots, affix_tokens=len(affix), question_tokens=QUESTION_TOKENS, batch=batch)
     configs = {p: DecodeConfig(gen_length=args.gen, block_length=args.block, steps=args.steps, threshold=None,
                                cache=c, anchor_ratio=args.ratio, attn_backend=args.backend)
                for p, c in POLICIES.items()}
+    return affix, requests, pool_tokens, configs
 
-    def warm(policy):
-        engine = Engine(model, configs[policy], pool_tokens=pool_tokens, max_batch=batch)
-        for r in requests:
-            engine.add(r, affix)
-        engine.step()
 
-    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
-        list(pool.map(warm, configs))
+def warm(model, shots: int, batch: int, policy: str, args) -> None:
+    """Compile a case's step functions: one engine iteration (admission, probe, recompute, decode)."""
+    affix, requests, pool_tokens, configs = case_configs(model.config, shots, batch, args)
+    engine = Engine(model, configs[policy], pool_tokens=pool_tokens, max_batch=batch)
+    for r in requests:
+        engine.add(r, affix)
+    engine.step()
+
+
+def run_case(model, name: str, shots: int, batch: int, args) -> dict:
+    """Both policies on one case, on fresh engines whose step functions are already compiled."""
+    cfg = model.config
+    affix, requests, pool_tokens, configs = case_configs(cfg, shots, batch, args)
+    row = dict(model=name, shots=shots, affix_tokens=len(affix), question_tokens=QUESTION_TOKENS, batch=batch)
     for policy, dcfg in configs.items():
         engine = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch)
         results = engine.generate(requests, affix)
@@ -119,21 +126,39 @@ def main(argv=None) -> None:
     ap.add_argument("--ratio", type=float, default=0.2)
     ap.add_argument("--backend", default=None, help="attention backend (default: pallas on a GPU)")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new cases after this")
+    ap.add_argument("--compile-threads", type=int, default=8, help="cases compiled in parallel before timing")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     start = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     shapes = {"llada": lambda n: llada_8b(n or 32), "dream": lambda n: dream_7b(n or 28)}
     models = {name: random_model(shapes[name](args.layers)) for name in args.models.split(",")}
+    cases = [(name, shots, batch) for shots in map(int, args.shots.split(","))
+             for batch in map(int, args.batches.split(",")) for name in models]
+    # Compile every case first, in parallel threads (compilation is host work); then time the cases
+    # one at a time, so no timed run shares the GPU. Cases not compiled by half the budget are left out.
+    compile_deadline = start + args.budget_s / 2
+    with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as ex:
+        warming = {case: [ex.submit(warm, models[case[0]], case[1], case[2], p, args) for p in POLICIES]
+                   for case in cases}
+        left = compile_deadline - time.perf_counter()
+        concurrent.futures.wait([f for fs in warming.values() for f in fs],
+                                timeout=None if left == float("inf") else max(0.0, left))
+        ex.shutdown(wait=True, cancel_futures=True)
+    ready = [case for case in cases if all(f.done() and not f.cancelled() and f.exception() is None
+                                           for f in warming[case])]
+    for case in cases:
+        errors = [f.exception() for f in warming[case] if f.done() and not f.cancelled() and f.exception()]
+        if errors:
+            print(json.dumps(dict(case=case, error=repr(errors[0])[:300])), flush=True)
+    print(json.dumps(dict(t=round(time.perf_counter() - start, 1), compiled=len(ready), of=len(cases))), flush=True)
     rows = []
-    for shots in map(int, args.shots.split(",")):  # models interleaved: a run cut by --budget-s covers both
-        for batch in map(int, args.batches.split(",")):
-            for name, model in models.items():
-                if time.perf_counter() - start > args.budget_s:
-                    print(json.dumps(dict(stopped="budget", measured=len(rows))), flush=True)
-                    break
-                rows.append(run_case(model, name, shots, batch, args))
-                print(json.dumps({"t": round(time.perf_counter() - start, 1), **rows[-1]}), flush=True)
+    for name, shots, batch in ready:
+        if time.perf_counter() - start > args.budget_s:
+            print(json.dumps(dict(stopped="budget", measured=len(rows))), flush=True)
+            break
+        rows.append(run_case(models[name], name, shots, batch, args))
+        print(json.dumps({"t": round(time.perf_counter() - start, 1), **rows[-1]}), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_engine.json").write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1))

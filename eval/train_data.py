@@ -29,7 +29,7 @@ class Mixture:
     """Which tasks, how often, and up to how many few-shot examples (placed uniformly at random)."""
 
     tasks: tuple[str, ...] = ("babi", "arithmetic", "codebook")
-    weights: tuple[float, ...] = (0.5, 0.3, 0.2)
+    weights: tuple[float, ...] = (0.6, 0.2, 0.2)
     max_shots: int = 2
     gen_length: int = GEN_LENGTH
 
