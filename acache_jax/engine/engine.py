@@ -84,6 +84,8 @@ class Engine:
         if config.selective and config.selector not in ("attention", "bottom"):
             raise DecodeError(f"the engine selects anchors with 'attention' or 'bottom', not {config.selector!r}")
         self.model, self.config = model, config
+        self._params, treedef = jax.tree.flatten(model.params)
+        self._structure = runner.structure(model.graphdef, treedef)
         self.policy = ENGINE_POLICIES[config.cache]
         pool_tokens = pool_tokens or max_batch * model.config.max_seq_len
         num_blocks = -(-pool_tokens // block_size)
@@ -217,7 +219,7 @@ class Engine:
         cols = [np.setdiff1d(np.arange(s.num_columns), s.affix_columns) for s in seqs]
         reads = self._reads([s.affix_columns for s in seqs], [s.shared_slots for s in seqs])
         start = time.perf_counter()
-        order = runner.probe_step(self.model.graphdef, self.config, self.model.params, self.pool,
+        order = runner.probe_step(self._structure, self.config, self._params, self.pool,
                                   self._rows(seqs, cols), reads)
         order = np.asarray(order)
         self.stats.probe.append(time.perf_counter() - start)
@@ -241,7 +243,7 @@ class Engine:
             reads = self._reads(shared, [s.read_slot_map[c] for s, c in zip(seqs, shared)])
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
-        self.pool, blocks = runner.recompute_step(self.model.graphdef, self.config, self.model.params, self.pool,
+        self.pool, blocks = runner.recompute_step(self._structure, self.config, self._params, self.pool,
                                                   self._rows(seqs, cols), reads, write, logit_index, commit)
         blocks = np.asarray(blocks)
         self.stats.recompute.append(time.perf_counter() - start)
@@ -262,7 +264,7 @@ class Engine:
         reads = self._reads(cols, [s.read_slot_map[c] for s, c in zip(seqs, cols)])
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
-        blocks = runner.decode_step(self.model.graphdef, self.config, self.model.params, self.pool,
+        blocks = runner.decode_step(self._structure, self.config, self._params, self.pool,
                                     self._rows(seqs, [s.block_columns for s in seqs], self.config.block_length),
                                     reads, commit)
         blocks = np.asarray(blocks)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ class KVPool:
 
     @property
     def bytes_per_slot(self) -> int:
-        return 2 * sum(a[0].size * a.dtype.itemsize for a in self.k)
+        return 2 * sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in self.k)
 
 
 def new_pool(cfg: ModelConfig, num_slots: int, dtype: Any) -> KVPool:
@@ -86,6 +87,25 @@ class CommitInputs:
         return commit_block(self.block, logits, self.step, keys, sched, cfg, mcfg, block_start)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Structure:
+    """A model's structure as a static argument of the steps, hashed by identity (hashing a graphdef
+    walks the module tree), with the parameters passed as a flat list of arrays (flattening an
+    nnx.State runs Python per variable): together milliseconds per call for a 32-layer model."""
+
+    graphdef: nnx.GraphDef
+    params: Any  # the parameters' treedef
+
+    def model(self, leaves: list[jax.Array]) -> Any:
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self.params, leaves))
+
+
+@functools.cache
+def structure(graphdef: nnx.GraphDef, params_treedef: Any) -> Structure:
+    """One Structure per distinct model structure, so every engine over a model reuses the compiled steps."""
+    return Structure(graphdef, params_treedef)
+
+
 def _scatter(pool: tuple[jax.Array, ...], new: tuple[jax.Array, ...], slots: jax.Array) -> tuple[jax.Array, ...]:
     """Write rows [R, N, H, D] to pool slots [R, N]; slots past the end are dropped."""
     flat = slots.reshape(-1)
@@ -100,12 +120,12 @@ def fill_affix(pool: KVPool, affix: AffixCache, slots: jax.Array) -> KVPool:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def recompute_step(graphdef: nnx.GraphDef, cfg: DecodeConfig, params: nnx.State, pool: KVPool, rows: Rows,
+def recompute_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, rows: Rows,
                    reads: Reads | None, write_slots: jax.Array, logit_index: jax.Array,
                    commit: CommitInputs) -> tuple[KVPool, jax.Array]:
     """Block start: forward over each row's private columns (reading its other affix K/V from the
     shared slots), K/V written to the row's private slots, then the block-start commit."""
-    model = nnx.merge(graphdef, params)
+    model = structure.model(params)
     out = model(rows.tokens, rows.positions, valid=rows.valid, kv=None if reads is None else reads.view(pool),
                 logit_index=logit_index, attn_backend=cfg.attn_backend)
     pool = KVPool(_scatter(pool.k, out.k, write_slots), _scatter(pool.v, out.v, write_slots))
@@ -113,23 +133,23 @@ def recompute_step(graphdef: nnx.GraphDef, cfg: DecodeConfig, params: nnx.State,
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def decode_step(graphdef: nnx.GraphDef, cfg: DecodeConfig, params: nnx.State, pool: KVPool, rows: Rows,
+def decode_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, rows: Rows,
                 reads: Reads, commit: CommitInputs) -> jax.Array:
     """In-block step: forward over each row's block alone, every other column read from the pool."""
-    model = nnx.merge(graphdef, params)
+    model = structure.model(params)
     out = model(rows.tokens, rows.positions, valid=rows.valid, kv=reads.view(pool), attn_backend=cfg.attn_backend)
     return commit.commit(out.logits, cfg, model.cfg, block_start=False)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def probe_step(graphdef: nnx.GraphDef, cfg: DecodeConfig, params: nnx.State, pool: KVPool, rows: Rows,
+def probe_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, rows: Rows,
                reads: Reads) -> jax.Array:
     """Anchor probe: each row's non-affix columns against its affix read from the shared slots.
 
     Returns the affix indices [R, L] ranked for selection (best first; padding last); the first K
     of a row are its anchors.
     """
-    model = nnx.merge(graphdef, params)
+    model = structure.model(params)
     mask_id = model.cfg.mask_token_id
     out = model(rows.tokens, rows.positions, valid=rows.valid, kv=reads.view(pool), with_logits=False,
                 attn_backend=cfg.attn_backend, probe=rows.valid & (rows.tokens == mask_id))
