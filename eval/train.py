@@ -2,10 +2,12 @@
 
 python -m eval.train --family llada|dream --out DIR [--steps N --batch B --seed S --tiny --plot]
 
-Objective (LLaDA's SFT form of masked diffusion): per sequence a mask ratio t ~ U(eps, 1), drawn
-stratified over the batch to lower the variance; every token of the generation region (answer +
-END padding) is masked with probability t, the prompt and affixes stay visible; loss = cross-entropy
-on the masked tokens weighted 1/t, averaged over batch x generation length. Dream predicts token i
+Objective (masked diffusion, LLaDA's SFT form mixed with its pretraining form): per sequence a mask
+ratio t ~ U(eps, 1), drawn stratified over the batch to lower the variance; in SFT rows every token
+of the generation region (answer + END padding) is masked with probability t and the prompt and
+affixes stay visible; in pretraining rows (a `pretrain_fraction` of them) every real token after
+the first may be masked. Loss per row = cross-entropy on the masked tokens weighted 1/t, divided by
+the maskable region's size; then the mean over rows. Dream predicts token i
 from position i-1: the model applies that shift itself, so for both families the loss reads the
 logits at the masked token's own index.
 
