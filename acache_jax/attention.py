@@ -1,7 +1,10 @@
-"""Bidirectional attention over a forward's own tokens plus an optional external KV view.
+"""Bidirectional attention over a forward's own tokens plus optional external KV views.
 
-Keys are stored before RoPE everywhere (caches, affix caches, pools) and rotated here at the
-position they are read at, so a cached span can be attended to at any offset.
+A view's keys are stored either before RoPE and rotated here at the position they are read at, or
+already rotated at their own positions with a per-row offset: RoPE scores depend only on position
+differences, so such a span is read at offset o by rotating the query by -o instead of every key
+(what the engine's pool does: no per-key trigonometry in the kernel). Either way a cached span can
+be attended to at any offset.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ class KVView:
     Either a dense per-row cache (`slots` is None; k[layer], v[layer]: [B, N, kv_heads, head_dim]) or
     a pool of rows read through a map (k[layer], v[layer]: [S, kv_heads, head_dim]; logical key n of
     batch row b is pool row `slots[b, n]`), so one shared affix cache can serve every row. k and v
-    are indexed by layer: a stacked array or a tuple of per-layer arrays. Keys are stored before
-    RoPE and rotated at `positions`; keys with `valid == False` are ignored.
+    are indexed by layer: a stacked array or a tuple of per-layer arrays. Keys with
+    `valid == False` are ignored. Without `offset`, keys are stored before RoPE and rotated at
+    `positions`; with it, row b's keys are stored already rotated at `positions - offset[b]`.
     """
 
     k: jax.Array | tuple[jax.Array, ...]
@@ -35,6 +39,7 @@ class KVView:
     positions: jax.Array  # [B, N] int32 absolute position of logical key n
     valid: jax.Array  # [B, N] bool
     slots: jax.Array | None = None  # [B, N] int32 pool row of logical key n, or None (dense)
+    offset: jax.Array | None = None  # [B] int32: keys stored rotated, read at this offset
 
     def rows(self, layer: int) -> tuple[jax.Array, jax.Array]:
         """This layer's keys and values as [B, N, kv_heads, head_dim]."""
@@ -97,45 +102,63 @@ def attend(
     v_new: jax.Array,
     positions: jax.Array,
     valid: jax.Array,
-    kv: KVView | None,
+    kv: KVView | tuple[KVView, ...] | None,
     layer: int,
     rope_theta: float,
     backend: str | None = None,
     probe: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Attention of a forward's queries over [external keys; its own keys].
+    """Attention of a forward's queries over [external keys of every view; its own keys].
 
     q, k_new: [B, T, H, D] before RoPE; positions, valid: [B, T] of the forward's own tokens.
     probe: [B, T] bool; when given, also returns the anchor-probe importance of these queries over
-    the external keys ([B, N] float32, `pallas_kernels.anchor_importance`).
-    The pallas backend reads the external keys in place through their slot map and merges that
-    partial result with the one over the forward's own keys.
+    the (single) external view's keys ([B, N] float32, `pallas_kernels.anchor_importance`).
+    The pallas backend reads each view in place through its slot map and merges those partial
+    results with the one over the forward's own keys.
     """
     backend = backend or default_backend(q.shape[-1])
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
-    q = rope(q, positions, rope_theta)
+    views = () if kv is None else (kv,) if isinstance(kv, KVView) else tuple(kv)
+    if probe is not None and len(views) != 1:
+        raise ValueError(f"the anchor probe reads exactly one external view, got {len(views)}")
+    q_rot = rope(q, positions, rope_theta)
     kernel_backend = "pallas" if backend == "pallas" else "xla"
-    scores = ext = None
-    if kv is not None and (backend == "pallas" or probe is not None):
-        ext = _as_pool(kv.k[layer], kv.v[layer], kv.slots, kv.positions, kv.valid)
-        if probe is not None:
-            pool, _, slots, k_pos, lens, order = ext
-            sorted_scores = anchor_importance(q, pool, slots, lens, probe, k_positions=k_pos, rope_theta=rope_theta,
-                                              backend=kernel_backend)
-            scores = jnp.zeros_like(sorted_scores).at[jnp.arange(q.shape[0])[:, None], order].set(sorted_scores)
+    # Per view: the query it is read with, and the RoPE inputs of its keys (None: stored rotated).
+    read_q = [q_rot if view.offset is None else rope(q, positions - view.offset[:, None], rope_theta)
+              for view in views]
+    scores = None
+    if probe is not None:
+        view = views[0]
+        pool, _, slots, k_pos, lens, order = _as_pool(view.k[layer], view.v[layer], view.slots, view.positions,
+                                                      view.valid)
+        rot = dict(k_positions=k_pos, rope_theta=rope_theta) if view.offset is None else {}
+        sorted_scores = anchor_importance(read_q[0], pool, slots, lens, probe, backend=kernel_backend, **rot)
+        scores = jnp.zeros_like(sorted_scores).at[jnp.arange(q.shape[0])[:, None], order].set(sorted_scores)
     if backend == "pallas":
-        own = _as_pool(k_new, v_new, None, positions, valid)
-        parts = [own] if ext is None else [ext, own]
-        results = [gathered_attention(q, k, v, slots, lens, k_positions=k_pos, rope_theta=rope_theta, return_lse=True)
-                   for k, v, slots, k_pos, lens, _ in parts]
+        results = []
+        for view, q_view in zip(views, read_q):
+            k, v, slots, k_pos, lens, _ = _as_pool(view.k[layer], view.v[layer], view.slots, view.positions,
+                                                   view.valid)
+            rot = dict(k_positions=k_pos, rope_theta=rope_theta) if view.offset is None else {}
+            results.append(gathered_attention(q_view, k, v, slots, lens, return_lse=True, **rot))
+        # The forward's own keys are rotated once here, not per query block in the kernel.
+        k, v, slots, _, lens, _ = _as_pool(rope(k_new, positions, rope_theta), v_new, None, positions, valid)
+        results.append(gathered_attention(q_rot, k, v, slots, lens, return_lse=True))
         return merge_partials(*map(list, zip(*results))), scores
-    keys, values, key_valid = rope(k_new, positions, rope_theta), v_new, valid
-    if kv is not None:
-        k_ext, v_ext = kv.rows(layer)
-        keys = jnp.concatenate([rope(k_ext, kv.positions, rope_theta), keys], axis=1)
-        values = jnp.concatenate([v_ext, values], axis=1)
-        key_valid = jnp.concatenate([kv.valid, key_valid], axis=1)
+    keys, values, key_valid = [], [], []
+    for view in views:
+        k_ext, v_ext = view.rows(layer)
+        if view.offset is None:
+            k_ext = rope(k_ext, view.positions, rope_theta)
+        else:  # rotations compose: stored at p - o, turned by o more
+            k_ext = rope(k_ext, jnp.broadcast_to(view.offset[:, None], view.positions.shape), rope_theta)
+        keys.append(k_ext)
+        values.append(v_ext)
+        key_valid.append(view.valid)
+    keys = jnp.concatenate([*keys, rope(k_new, positions, rope_theta)], axis=1)
+    values = jnp.concatenate([*values, v_new], axis=1)
+    key_valid = jnp.concatenate([*key_valid, valid], axis=1)
     if backend == "xla":
-        return dense_attention(q, keys, values, key_valid), scores
-    return cudnn_attention(q, keys, values, key_valid), scores
+        return dense_attention(q_rot, keys, values, key_valid), scores
+    return cudnn_attention(q_rot, keys, values, key_valid), scores

@@ -63,3 +63,40 @@ def test_keys_before_rope_are_position_free(model):
     np.testing.assert_allclose(a.logits, b.logits, atol=1e-4)
     c = model.forward(ids, jnp.asarray([[0, 1, 2, 3, 4, 9]]))  # a different relative layout does differ
     assert np.abs(np.asarray(c.logits) - np.asarray(a.logits)).max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_views_stored_rotated_read_at_an_offset(model, backend):
+    """Keys stored already rotated at their own positions 0..L-1 (offset views) and split over two
+    views give what one view of keys before RoPE gives: an affix computed alone, read by each row at
+    its own offset, beside each row's private keys stored rotated at their logical positions."""
+    from pallas_kernels import rope
+
+    rng = np.random.default_rng(3)
+    theta = model.config.rope_theta
+    affix = jnp.asarray(rng.integers(0, 120, (1, 7)), jnp.int32)
+    starts = jnp.asarray([0, 5], jnp.int32)  # row 0: prefix; row 1: the affix sits after 5 own tokens
+    ids = jnp.asarray(rng.integers(0, 120, (2, 16)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
+    own = model.forward(ids, pos)  # the rows' own keys (before RoPE), read as their private keys
+    alone = model.forward(affix, jnp.arange(7)[None])  # the affix computed alone, stored once
+    affix_pos = starts[:, None] + jnp.arange(7)[None]
+    private_valid = jnp.ones((2, 16), bool).at[:, 12:].set(False)
+    shared = lambda kv: tuple(jnp.broadcast_to(layer, (2, *layer.shape[1:])) for layer in kv)
+    before = KVView(tuple(jnp.concatenate([a, o], 1) for a, o in zip(shared(alone.k), own.k)),
+                    tuple(jnp.concatenate([a, o], 1) for a, o in zip(shared(alone.v), own.v)),
+                    jnp.concatenate([affix_pos, pos], 1), jnp.concatenate([jnp.ones((2, 7), bool), private_valid], 1))
+    rotated_affix = KVView(tuple(rope(layer, jnp.arange(7)[None], theta)[0] for layer in alone.k),
+                           tuple(layer[0] for layer in alone.v), affix_pos, jnp.ones((2, 7), bool),
+                           jnp.broadcast_to(jnp.arange(7, dtype=jnp.int32), (2, 7)), offset=starts)
+    rotated_private = KVView(tuple(rope(layer, pos, theta) for layer in own.k), own.v, pos, private_valid,
+                             offset=jnp.zeros(2, jnp.int32))
+    q_ids, q_pos = ids[:, 12:], pos[:, 12:] + 7
+    want = model.forward(q_ids, q_pos, kv=before, attn_backend="xla").logits
+    got = model.forward(q_ids, q_pos, kv=(rotated_affix, rotated_private), attn_backend=backend).logits
+    np.testing.assert_allclose(got, want, atol=5e-5)
+    probe = q_ids == q_ids  # every query counts
+    p_want = model.forward(q_ids, q_pos, kv=KVView(*(shared(alone.k), shared(alone.v)), affix_pos,
+                                                   jnp.ones((2, 7), bool)), probe=probe, attn_backend="xla").probe
+    p_got = model.forward(q_ids, q_pos, kv=rotated_affix, probe=probe, attn_backend=backend).probe
+    np.testing.assert_allclose(p_got, p_want, atol=5e-5)

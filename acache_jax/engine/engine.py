@@ -184,7 +184,8 @@ class Engine:
 
     def _fill_affix(self, seq: Sequence) -> None:
         cache = build_affix_cache(self.model, self._affixes[seq.affix_key])
-        self.pool = runner.fill_affix(self.pool, cache, jax.numpy.asarray(seq.shared_slots))
+        self.pool = runner.fill_affix(self.pool, cache, jax.numpy.asarray(seq.shared_slots),
+                                      self.model.config.rope_theta)
         self.stats.affix_fills += 1
 
     @staticmethod
@@ -198,8 +199,15 @@ class Engine:
         tokens = [s.token_ids[c] for s, c in zip(seqs, columns)]
         return runner.Rows(*self._per_column(tokens, columns, np.int32(self.model.config.pad_token_id), width))
 
-    def _reads(self, columns: list[np.ndarray], slots: list[np.ndarray]) -> runner.Reads:
-        return runner.Reads(*self._per_column(slots, columns, np.int32(0)))
+    def _reads(self, columns: list[np.ndarray], slots: list[np.ndarray], offsets: list[int]) -> runner.Reads:
+        n = batch_bucket(len(columns))
+        offset = np.asarray(list(offsets) + [0] * (n - len(offsets)), np.int32)
+        return runner.Reads(*self._per_column(slots, columns, np.int32(0)), offset)
+
+    def _shared_reads(self, seqs: list[Sequence], columns: list[np.ndarray]) -> runner.Reads:
+        """Reads of affix columns from the shared slots, at each request's affix offset."""
+        return self._reads(columns, [s.read_slot_map[c] for s, c in zip(seqs, columns)],
+                           [s.affix_start for s in seqs])
 
     def _commit_inputs(self, seqs: list[Sequence]) -> runner.CommitInputs:
         n = batch_bucket(len(seqs))
@@ -217,7 +225,8 @@ class Engine:
 
     def _probe(self, seqs: list[Sequence]) -> None:
         cols = [np.setdiff1d(np.arange(s.num_columns), s.affix_columns) for s in seqs]
-        reads = self._reads([s.affix_columns for s in seqs], [s.shared_slots for s in seqs])
+        reads = self._reads([s.affix_columns for s in seqs], [s.shared_slots for s in seqs],
+                            [s.affix_start for s in seqs])
         start = time.perf_counter()
         order = runner.probe_step(self._structure, self.config, self._params, self.pool,
                                   self._rows(seqs, cols), reads)
@@ -240,7 +249,7 @@ class Engine:
         if any(s.shares_affix for s in seqs) and not self.config.drop_non_anchor:
             shared = [np.setdiff1d(s.affix_columns, s.affix_start + s.anchors) if s.shares_affix else
                       np.zeros(0, np.int64) for s in seqs]
-            reads = self._reads(shared, [s.read_slot_map[c] for s, c in zip(seqs, shared)])
+            reads = self._shared_reads(seqs, shared)
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
         self.pool, blocks = runner.recompute_step(self._structure, self.config, self._params, self.pool,
@@ -253,15 +262,22 @@ class Engine:
             seq.needs_recompute = False
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        cols = []
+        shared, private = [], []
         for seq in seqs:
-            keep = np.ones(seq.num_columns, bool)
-            keep[seq.block_columns] = False
-            if seq.shares_affix and self.config.drop_non_anchor:
-                keep[seq.affix_columns] = False
-                keep[seq.affix_start + seq.anchors] = True
-            cols.append(np.flatnonzero(keep))
-        reads = self._reads(cols, [s.read_slot_map[c] for s, c in zip(seqs, cols)])
+            private_cols = np.ones(seq.num_columns, bool)
+            private_cols[seq.block_columns] = False
+            shared_cols = np.zeros(seq.num_columns, bool)
+            if seq.shares_affix:
+                private_cols[seq.affix_columns] = False
+                if not self.config.drop_non_anchor:
+                    shared_cols[seq.affix_columns] = True
+                    shared_cols[seq.affix_start + seq.anchors] = False
+                private_cols[seq.affix_start + seq.anchors] = True
+            shared.append(np.flatnonzero(shared_cols))
+            private.append(np.flatnonzero(private_cols))
+        reads = (self._reads(private, [s.read_slot_map[c] for s, c in zip(seqs, private)], [0] * len(seqs)),)
+        if any(len(c) for c in shared):
+            reads = (self._shared_reads(seqs, shared), *reads)
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
         blocks = runner.decode_step(self._structure, self.config, self._params, self.pool,

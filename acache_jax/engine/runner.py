@@ -21,12 +21,15 @@ from acache_jax.acache import AffixCache
 from acache_jax.attention import KVView
 from acache_jax.config import ModelConfig
 from acache_jax.decode import DecodeConfig, commit_block
+from pallas_kernels import rope
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVPool:
-    """Per layer, K (before RoPE) and V of every slot: layers x [num_slots, kv_heads, head_dim]."""
+    """Per layer, K and V of every slot: layers x [num_slots, kv_heads, head_dim]. K is stored rotated
+    at the position it was computed at (an affix: 0..L-1 of the affix alone; a request's own
+    columns: their positions), so reads rotate the query by their offset instead of every key."""
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -59,14 +62,16 @@ class Rows:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Reads:
-    """The keys a forward reads from the pool, per row [R, N]: slot, position, valid."""
+    """Keys a forward reads from the pool, per row [R, N]: slot, position, valid; and per row [R]
+    the offset they are read at (the affix's start for shared affix slots, 0 for private slots)."""
 
     slots: jax.Array
     positions: jax.Array
     valid: jax.Array
+    offset: jax.Array
 
     def view(self, pool: KVPool) -> KVView:
-        return KVView(pool.k, pool.v, self.positions, self.valid, self.slots)
+        return KVView(pool.k, pool.v, self.positions, self.valid, self.slots, self.offset)
 
 
 @jax.tree_util.register_dataclass
@@ -112,11 +117,13 @@ def _scatter(pool: tuple[jax.Array, ...], new: tuple[jax.Array, ...], slots: jax
     return tuple(p.at[flat].set(n.reshape(-1, *n.shape[2:]).astype(p.dtype), mode="drop") for p, n in zip(pool, new))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def fill_affix(pool: KVPool, affix: AffixCache, slots: jax.Array) -> KVPool:
-    """Store an affix cache (computed alone, as the static path does) in its shared slots [L]."""
-    expand = lambda layers: tuple(a[None] for a in layers)
-    return KVPool(_scatter(pool.k, expand(affix.k), slots[None]), _scatter(pool.v, expand(affix.v), slots[None]))
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def fill_affix(pool: KVPool, affix: AffixCache, slots: jax.Array, rope_theta: float) -> KVPool:
+    """Store an affix cache (computed alone, as the static path does) in its shared slots [L], K
+    rotated at the affix's own positions 0..L-1."""
+    positions = jnp.arange(affix.length)[None]
+    k = tuple(rope(a[None], positions, rope_theta) for a in affix.k)
+    return KVPool(_scatter(pool.k, k, slots[None]), _scatter(pool.v, tuple(a[None] for a in affix.v), slots[None]))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
@@ -124,20 +131,24 @@ def recompute_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Arr
                    reads: Reads | None, write_slots: jax.Array, logit_index: jax.Array,
                    commit: CommitInputs) -> tuple[KVPool, jax.Array]:
     """Block start: forward over each row's private columns (reading its other affix K/V from the
-    shared slots), K/V written to the row's private slots, then the block-start commit."""
+    shared slots), K (rotated at its positions) and V written to the row's private slots, then the
+    block-start commit."""
     model = structure.model(params)
     out = model(rows.tokens, rows.positions, valid=rows.valid, kv=None if reads is None else reads.view(pool),
                 logit_index=logit_index, attn_backend=cfg.attn_backend)
-    pool = KVPool(_scatter(pool.k, out.k, write_slots), _scatter(pool.v, out.v, write_slots))
+    k = tuple(rope(a, rows.positions, model.cfg.rope_theta) for a in out.k)
+    pool = KVPool(_scatter(pool.k, k, write_slots), _scatter(pool.v, out.v, write_slots))
     return pool, commit.commit(out.logits, cfg, model.cfg, block_start=True)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def decode_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, rows: Rows,
-                reads: Reads, commit: CommitInputs) -> jax.Array:
-    """In-block step: forward over each row's block alone, every other column read from the pool."""
+                reads: tuple[Reads, ...], commit: CommitInputs) -> jax.Array:
+    """In-block step: forward over each row's block alone, every other column read from the pool
+    (one read set per offset: the shared affix, the row's private slots)."""
     model = structure.model(params)
-    out = model(rows.tokens, rows.positions, valid=rows.valid, kv=reads.view(pool), attn_backend=cfg.attn_backend)
+    out = model(rows.tokens, rows.positions, valid=rows.valid, kv=tuple(r.view(pool) for r in reads),
+                attn_backend=cfg.attn_backend)
     return commit.commit(out.logits, cfg, model.cfg, block_start=False)
 
 
