@@ -40,8 +40,10 @@ def test_merge_combines_shards_and_checks_settings(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "sweep.json").write_text(json.dumps(dict(ratios=[0.0, 1.0], n=n, seed=0, rows=rows)))
 
-    row = lambda placement, policy, acc: dict(model="m", task="codebook", placement=placement, shots=1 if placement != "none" else 0,
-                                              policy=policy, accuracy=acc)
+    def row(placement, policy, acc):
+        shots = 0 if placement == "none" else 1
+        return dict(model="m", task="codebook", placement=placement, shots=shots, policy=policy, accuracy=acc)
+
     shard("a", [row("none", "full", 0.1), row("prefix", "full", 0.9), row("prefix", "acache@0", 0.5)])
     shard("b", [row("none", "full", 0.1), row("suffix", "full", 0.8), row("suffix", "acache@0", 0.2)])
     out = tmp_path / "merged"
@@ -50,7 +52,8 @@ def test_merge_combines_shards_and_checks_settings(tmp_path):
     rows = json.loads((out / "sweep.json").read_text())["rows"]
     assert len(rows) == 5  # the no-affix row of both shards once
     table = (out / "RESULTS_table.md").read_text()
-    assert "| m | codebook | prefix | 1 | 0.10 | 0.50 |" in table and "| m | codebook | suffix | 1 | 0.10 | 0.20 |" in table
+    assert "| m | codebook | prefix | 1 | 0.10 | 0.50 |" in table
+    assert "| m | codebook | suffix | 1 | 0.10 | 0.20 |" in table
     shard("c", [], n=8)
     with pytest.raises(SystemExit, match="same --ratios"):
         main(["--merge", str(tmp_path / "c"), "--ratios", "0,1", "-n", "4", "--out", str(out)])

@@ -95,7 +95,7 @@ def test_views_stored_rotated_read_at_an_offset(model, backend):
     want = model.forward(q_ids, q_pos, kv=before, attn_backend="xla").logits
     got = model.forward(q_ids, q_pos, kv=(rotated_affix, rotated_private), attn_backend=backend).logits
     np.testing.assert_allclose(got, want, atol=5e-5)
-    probe = q_ids == q_ids  # every query counts
+    probe = jnp.ones(q_ids.shape, bool)  # every query counts
     p_want = model.forward(q_ids, q_pos, kv=KVView(*(shared(alone.k), shared(alone.v)), affix_pos,
                                                    jnp.ones((2, 7), bool)), probe=probe, attn_backend="xla").probe
     p_got = model.forward(q_ids, q_pos, kv=rotated_affix, probe=probe, attn_backend=backend).probe
