@@ -24,6 +24,9 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 BACKENDS = ("xla", "pallas")
 # Programs to aim for when choosing the key-range split: a couple per streaming multiprocessor.
 _TARGET_PROGRAMS = 264
+# (block_k, num_warps, num_stages) by whether keys are rotated at read: the fastest of the H200
+# tuning (docs/BENCHMARKS.md); with rotation, larger tiles and more warps hide the trigonometry.
+_TUNED = {True: (64, 8, 2), False: (32, 4, 3)}
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
@@ -52,9 +55,9 @@ def gathered_attention(
     interpret: bool | None = None,
     return_lse: bool = False,
     block_q: int = 128,
-    block_k: int = 64,
-    num_warps: int = 8,
-    num_stages: int = 2,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     splits: int | None = None,
     rope_tables: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -68,7 +71,8 @@ def gathered_attention(
     of the scaled scores, fp32 [B, Tq, Hq] (MASK_VALUE where kv_lens is 0), to merge partial results.
     interpret: run the Pallas kernel on CPU (default: whenever the default backend is not a GPU).
     The block, split and rope_tables (cos/sin computed once outside the kernel instead of per tile)
-    arguments tune the Pallas kernel only.
+    arguments tune the Pallas kernel only; unset block_k / num_warps / num_stages take the fastest
+    H200 configuration of docs/BENCHMARKS.md for the case (rotating keys at read or not).
     """
     b, tq, hq, d = q.shape
     s, hkv, dk = k_pool.shape
@@ -88,6 +92,9 @@ def gathered_attention(
         out, lse = _reference(q, k_pool, v_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale)
     elif backend == "pallas":
         interpret = _interpret(interpret, d)
+        tuned = _TUNED[k_positions is not None]
+        block_k, num_warps, num_stages = (tuned[i] if x is None else x
+                                          for i, x in enumerate((block_k, num_warps, num_stages)))
         out, lse = _pallas(q, k_pool, v_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale,
                            interpret, block_q, block_k, num_warps, num_stages, splits, rope_tables)
     else:
