@@ -96,6 +96,13 @@ def _as_pool(k: jax.Array, v: jax.Array, slots: jax.Array | None, positions: jax
     return k, v, take(slots), take(positions), valid.sum(axis=1).astype(jnp.int32), order
 
 
+def _kernel_form(view: KVView, layer: int, rope_theta: float):
+    """(k pool, v pool, slots, lengths, order, RoPE arguments) of one view for the kernels."""
+    k, v, slots, k_pos, lens, order = _as_pool(view.k[layer], view.v[layer], view.slots, view.positions, view.valid)
+    rot = dict(k_positions=k_pos, rope_theta=rope_theta) if view.offset is None else {}
+    return k, v, slots, lens, order, rot
+
+
 def attend(
     q: jax.Array,
     k_new: jax.Array,
@@ -124,24 +131,19 @@ def attend(
         raise ValueError(f"the anchor probe reads exactly one external view, got {len(views)}")
     q_rot = rope(q, positions, rope_theta)
     kernel_backend = "pallas" if backend == "pallas" else "xla"
-    # Per view: the query it is read with, and the RoPE inputs of its keys (None: stored rotated).
+    # A view stored rotated is read with the query rotated back by its offset.
     read_q = [q_rot if view.offset is None else rope(q, positions - view.offset[:, None], rope_theta)
               for view in views]
+    needs_pool = backend == "pallas" or probe is not None
+    pooled = [_kernel_form(view, layer, rope_theta) for view in views] if needs_pool else []
     scores = None
     if probe is not None:
-        view = views[0]
-        pool, _, slots, k_pos, lens, order = _as_pool(view.k[layer], view.v[layer], view.slots, view.positions,
-                                                      view.valid)
-        rot = dict(k_positions=k_pos, rope_theta=rope_theta) if view.offset is None else {}
+        pool, _, slots, lens, order, rot = pooled[0]
         sorted_scores = anchor_importance(read_q[0], pool, slots, lens, probe, backend=kernel_backend, **rot)
         scores = jnp.zeros_like(sorted_scores).at[jnp.arange(q.shape[0])[:, None], order].set(sorted_scores)
     if backend == "pallas":
-        results = []
-        for view, q_view in zip(views, read_q):
-            k, v, slots, k_pos, lens, _ = _as_pool(view.k[layer], view.v[layer], view.slots, view.positions,
-                                                   view.valid)
-            rot = dict(k_positions=k_pos, rope_theta=rope_theta) if view.offset is None else {}
-            results.append(gathered_attention(q_view, k, v, slots, lens, return_lse=True, **rot))
+        results = [gathered_attention(q_view, k, v, slots, lens, return_lse=True, **rot)
+                   for q_view, (k, v, slots, lens, _, rot) in zip(read_q, pooled)]
         # The forward's own keys are rotated once here, not per query block in the kernel.
         k, v, slots, _, lens, _ = _as_pool(rope(k_new, positions, rope_theta), v_new, None, positions, valid)
         results.append(gathered_attention(q_rot, k, v, slots, lens, return_lse=True))
