@@ -79,3 +79,17 @@ def test_engine_rejects_what_it_cannot_run(fixtures_dir):
         Engine(model, DecodeConfig(cache="acache", gen_length=16, block_length=8)).add(Request([1, 2, 3]), AFFIX)
     np.testing.assert_equal(Engine(model, DecodeConfig(cache="dual", gen_length=8, block_length=8),
                                    pool_tokens=64).generate([Request([1, 2, 3])])[0].tokens.shape, (8,))
+
+
+def test_engine_kernel_path_equals_xla(fixtures_dir):
+    """The engine's pallas path (interpreted here): pool keys stored rotated, read as a shared-affix
+    and a private set at their offsets, gives the xla path's tokens and anchors."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    outs = []
+    for backend in ("xla", "pallas"):
+        cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, attn_backend=backend)
+        engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=3)
+        outs.append(engine.generate(REQUESTS[:3], AFFIX))
+    for xla, pallas in zip(*outs):
+        assert pallas.tokens.tolist() == xla.tokens.tolist()
+        assert pallas.anchors.tolist() == xla.anchors.tolist()
