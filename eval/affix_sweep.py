@@ -30,6 +30,11 @@ from eval.tasks import TASKS
 PLACEMENTS = ("prefix", "infix", "suffix")
 
 
+def _key(row: dict[str, Any]) -> tuple:
+    """What identifies a measured setting."""
+    return row["model"], row["task"], row["placement"], row["shots"], row["policy"]
+
+
 def settings(ratios: list[float], ablation: float) -> dict[str, Any]:
     """Policy name -> DecodeConfig overrides of the full-recompute config."""
     out: dict[str, dict] = {"full": {}}
@@ -65,13 +70,13 @@ def merge(paths: list[Path], ratios: list[float], n: int, seed: int) -> list[dic
             raise SystemExit(f"error: {path} was run with ratios {shard['ratios']}, n {shard['n']}, seed "
                              f"{shard['seed']}; merging needs the same --ratios, -n and --seed")
         for r in shard["rows"]:
-            rows.setdefault((r["model"], r["task"], r["placement"], r["shots"], r["policy"]), r)
+            rows.setdefault(_key(r), r)
     return list(rows.values())
 
 
 def summary_table(rows: list[dict[str, Any]], ablation: float) -> str:
     """Per (model, task, placement, shots): no affix, direct, ablation ratio, full, gap recovered, DropNA, hkvd."""
-    index = {(r["model"], r["task"], r["placement"], r["shots"], r["policy"]): r["accuracy"] for r in rows}
+    index = {_key(r): r["accuracy"] for r in rows}
     a = f"{ablation:g}"
     lines = [f"| model | task | placement | shots | no affix | direct | ACache {a} | full | gap recovered | "
              f"DropNA {a} | hkvd {a} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -82,7 +87,8 @@ def summary_table(rows: list[dict[str, Any]], ablation: float) -> str:
         direct, mid, full = get("acache@0"), get(f"acache@{a}"), get("full")
         gap = full - direct
         recovered = f"{(mid - direct) / gap:.0%}" if gap > 0 else "no gap"
-        lines.append(f"| {model} | {task} | {placement} | {shots} | {index.get((model, task, 'none', 0, 'full'), float('nan')):.2f} | "
+        no_affix = index.get((model, task, "none", 0, "full"), float("nan"))
+        lines.append(f"| {model} | {task} | {placement} | {shots} | {no_affix:.2f} | "
                      f"{direct:.2f} | {mid:.2f} | {full:.2f} | {recovered} | {get(f'dropna@{a}'):.2f} | "
                      f"{get(f'hkvd@{a}'):.2f} |")
     return "\n".join(lines)
@@ -94,7 +100,7 @@ def plots(rows: list[dict[str, Any]], ratios: list[float], ablation: float, out:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    index = {(r["model"], r["task"], r["placement"], r["shots"], r["policy"]): r["accuracy"] for r in rows}
+    index = {_key(r): r["accuracy"] for r in rows}
     groups = sorted({(r["model"], r["task"]) for r in rows})
     shots = sorted({r["shots"] for r in rows if r["shots"]})
     a = f"{ablation:g}"

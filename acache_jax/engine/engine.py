@@ -71,6 +71,11 @@ def _pad(rows: list[np.ndarray], width: int, fill, count: int) -> np.ndarray:
     return out
 
 
+def _per_row(values: list, count: int, dtype) -> np.ndarray:
+    """One value per row as [count], rows past the given ones 0."""
+    return np.asarray(list(values) + [0] * (count - len(values)), dtype)
+
+
 class Engine:
     """Continuous-batching engine over a paged KV pool (see the module docstring)."""
 
@@ -200,8 +205,7 @@ class Engine:
         return runner.Rows(*self._per_column(tokens, columns, np.int32(self.model.config.pad_token_id), width))
 
     def _reads(self, columns: list[np.ndarray], slots: list[np.ndarray], offsets: list[int]) -> runner.Reads:
-        n = batch_bucket(len(columns))
-        offset = np.asarray(list(offsets) + [0] * (n - len(offsets)), np.int32)
+        offset = _per_row(offsets, batch_bucket(len(columns)), np.int32)
         return runner.Reads(*self._per_column(slots, columns, np.int32(0)), offset)
 
     def _shared_reads(self, seqs: list[Sequence], columns: list[np.ndarray]) -> runner.Reads:
@@ -211,7 +215,7 @@ class Engine:
 
     def _commit_inputs(self, seqs: list[Sequence]) -> runner.CommitInputs:
         n = batch_bucket(len(seqs))
-        col = lambda f, dtype: np.asarray([f(s) for s in seqs] + [0] * (n - len(seqs)), dtype)
+        col = lambda f, dtype: _per_row([f(s) for s in seqs], n, dtype)
         blocks = _pad([s.token_ids[s.block_columns] for s in seqs], self.config.block_length,
                       np.int32(self.model.config.mask_token_id), n)
         return runner.CommitInputs(blocks, col(lambda s: s.seed, np.uint32), col(lambda s: s.nfe, np.int32),
@@ -247,9 +251,7 @@ class Engine:
                            self.config.block_length, np.int32(0), n)
         reads = None
         if any(s.shares_affix for s in seqs) and not self.config.drop_non_anchor:
-            shared = [np.setdiff1d(s.affix_columns, s.affix_start + s.anchors) if s.shares_affix else
-                      np.zeros(0, np.int64) for s in seqs]
-            reads = self._shared_reads(seqs, shared)
+            reads = self._shared_reads(seqs, [s.shared_columns for s in seqs])
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
         self.pool, blocks = runner.recompute_step(self._structure, self.config, self._params, self.pool,
@@ -262,22 +264,12 @@ class Engine:
             seq.needs_recompute = False
 
     def _decode(self, seqs: list[Sequence]) -> None:
-        shared, private = [], []
-        for seq in seqs:
-            private_cols = np.ones(seq.num_columns, bool)
-            private_cols[seq.block_columns] = False
-            shared_cols = np.zeros(seq.num_columns, bool)
-            if seq.shares_affix:
-                private_cols[seq.affix_columns] = False
-                if not self.config.drop_non_anchor:
-                    shared_cols[seq.affix_columns] = True
-                    shared_cols[seq.affix_start + seq.anchors] = False
-                private_cols[seq.affix_start + seq.anchors] = True
-            shared.append(np.flatnonzero(shared_cols))
-            private.append(np.flatnonzero(private_cols))
+        # Block columns come from the forward itself; non-anchor affix columns from the shared slots
+        # (unless DropNA drops them); the rest from the request's private slots.
+        private = [np.setdiff1d(s.private_columns, s.block_columns) for s in seqs]
         reads = (self._reads(private, [s.read_slot_map[c] for s, c in zip(seqs, private)], [0] * len(seqs)),)
-        if any(len(c) for c in shared):
-            reads = (self._shared_reads(seqs, shared), *reads)
+        if any(s.shares_affix for s in seqs) and not self.config.drop_non_anchor:
+            reads = (self._shared_reads(seqs, [s.shared_columns for s in seqs]), *reads)
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
         blocks = runner.decode_step(self._structure, self.config, self._params, self.pool,

@@ -170,6 +170,12 @@ class Sequence:
         return np.flatnonzero(private).astype(np.int32)
 
     @property
+    def shared_columns(self) -> np.ndarray:
+        """int32 [S]: the columns read from the shared affix slots (non-anchor affix columns; none
+        unless the affix is shared)."""
+        return np.setdiff1d(np.arange(self.num_columns, dtype=np.int32), self.private_columns)
+
+    @property
     def write_slot_map(self) -> np.ndarray:
         """int32 [P]: where private column i's recomputed / decoded K/V go."""
         assert self._private_slots is not None, "slots not set"
