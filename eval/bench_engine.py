@@ -63,7 +63,10 @@ def engine_flops(cfg: ModelConfig, engine: Engine, affix_len: int, policy: str, 
 def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[int], list[Request], int, dict]:
     """(affix, requests, pool tokens, policy -> DecodeConfig) of one case."""
     affix, requests = workload(cfg, shots, batch)
-    pool_tokens = batch * (len(affix) + QUESTION_TOKENS + args.gen) + len(affix) + 64 * batch
+    # One pool size for every case of a run (the largest case's need): cases whose bucketed shapes
+    # agree then share compiled steps. Peak KV counts the blocks in use, not the pool's size.
+    most_batch, most_affix = max(args.batches), max(args.shots) * SHOT_TOKENS
+    pool_tokens = most_batch * (most_affix + QUESTION_TOKENS + args.gen) + most_affix + 64 * most_batch
     configs = {p: DecodeConfig(gen_length=args.gen, block_length=args.block, steps=args.steps, threshold=None,
                                cache=c, anchor_ratio=args.ratio, attn_backend=args.backend)
                for p, c in POLICIES.items()}
@@ -117,8 +120,8 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llada,dream")
-    ap.add_argument("--batches", default="16,1,4")
-    ap.add_argument("--shots", default="4,1,2")
+    ap.add_argument("--batches", default=[16, 1, 4], type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--shots", default=[4, 1, 2], type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs); default: the full model")
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--block", type=int, default=32)
@@ -127,17 +130,17 @@ def main(argv=None) -> None:
     ap.add_argument("--backend", default=None, help="attention backend (default: pallas on a GPU)")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new cases after this")
     ap.add_argument("--compile-threads", type=int, default=8, help="cases compiled in parallel before timing")
+    ap.add_argument("--compile-s", type=float, default=None, help="time for compiling (default: half the budget)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     start = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     shapes = {"llada": lambda n: llada_8b(n or 32), "dream": lambda n: dream_7b(n or 28)}
     models = {name: random_model(shapes[name](args.layers)) for name in args.models.split(",")}
-    cases = [(name, shots, batch) for shots in map(int, args.shots.split(","))
-             for batch in map(int, args.batches.split(",")) for name in models]
+    cases = [(name, shots, batch) for shots in args.shots for batch in args.batches for name in models]
     # Compile every case first, in parallel threads (compilation is host work); then time the cases
     # one at a time, so no timed run shares the GPU. Cases not compiled by half the budget are left out.
-    compile_deadline = start + args.budget_s / 2
+    compile_deadline = start + (args.budget_s / 2 if args.compile_s is None else args.compile_s)
     with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as ex:
         warming = {case: [ex.submit(warm, models[case[0]], case[1], case[2], p, args) for p in POLICIES]
                    for case in cases}
