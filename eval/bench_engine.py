@@ -63,10 +63,8 @@ def engine_flops(cfg: ModelConfig, engine: Engine, affix_len: int, policy: str, 
 def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[int], list[Request], int, dict]:
     """(affix, requests, pool tokens, policy -> DecodeConfig) of one case."""
     affix, requests = workload(cfg, shots, batch)
-    # One pool size for every case of a run (the largest case's need): cases whose bucketed shapes
-    # agree then share compiled steps. Peak KV counts the blocks in use, not the pool's size.
-    most_batch, most_affix = max(args.batches), max(args.shots) * SHOT_TOKENS
-    pool_tokens = most_batch * (most_affix + QUESTION_TOKENS + args.gen) + most_affix + 64 * most_batch
+    # Sized per case: the warm-up compiles several cases at once, each holding its engine's pool.
+    pool_tokens = batch * (len(affix) + QUESTION_TOKENS + args.gen) + len(affix) + 64 * batch
     configs = {p: DecodeConfig(gen_length=args.gen, block_length=args.block, steps=args.steps, threshold=None,
                                cache=c, anchor_ratio=args.ratio, attn_backend=args.backend)
                for p, c in POLICIES.items()}
