@@ -1,7 +1,8 @@
 """Accuracy of a model on the tasks: one seeded world per task, its few-shot affix in each placement.
 
-python -m eval.accuracy --model DIR [--tasks babi,arithmetic,codebook] [-n 64] [--cache dual]
-Prints one JSON line per (task, placement, shots) and the whole grid with --json FILE.
+python -m eval.accuracy --model DIR [--tasks babi,arithmetic,codebook] [-n 64] [--cache dual] [--binding]
+Prints one JSON line per (task, placement, shots) and the whole grid with --json FILE; --binding
+adds the bAbI name-binding probe (`binding`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from acache_jax.acache import build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.decode import CACHE_POLICIES, DecodeConfig, generate
 from acache_jax.model import Model
-from eval.tasks import MAX_SHOTS, TASKS, eval_split, get_task
+from eval.tasks import MAX_SHOTS, TASKS, Example, eval_split, get_task
+from eval.tasks.babi import binding_stories
 from eval.tasks.layouts import GEN_LENGTH, PLACEMENTS, Placement, affix_ids, encoder, request
 
 FULL_RECOMPUTE = DecodeConfig(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, cache="dual")
@@ -30,18 +34,38 @@ def answer_text(model: Model, tokens: Sequence[int]) -> str:
     return model.tokenizer.decode(ids[:end], skip_special_tokens=True)
 
 
+def _score(model: Model, questions: Sequence[Example], placement: Placement, affix_tokens: list[int] | None,
+           config: DecodeConfig, max_batch: int) -> float:
+    encode = encoder(model.tokenizer)
+    selective = config.selective and affix_tokens is not None
+    affix = build_affix_cache(model, affix_tokens) if selective else affix_tokens
+    requests = [request(encode, q, placement, seed=i) for i, q in enumerate(questions)]
+    out = generate(model, requests, config, affix=affix, max_batch=max_batch)
+    return sum(q.score(answer_text(model, t)) for q, t in zip(questions, out.tokens)) / len(questions)
+
+
+def _needs_tokenizer(model: Model) -> None:
+    if model.tokenizer is None:
+        raise ValueError("the model ships no tokenizer; accuracy needs one to lay out and score text")
+
+
 def accuracy(model: Model, task: str, placement: Placement, shots: int, n: int, seed: int = 0,
              config: DecodeConfig = FULL_RECOMPUTE, max_batch: int = 256) -> float:
     """Fraction of n held-out questions answered correctly with the first `shots` examples as affix."""
-    if model.tokenizer is None:
-        raise ValueError("the model ships no tokenizer; accuracy needs one to lay out and score text")
+    _needs_tokenizer(model)
     examples, questions = eval_split(get_task(task), seed, n)
-    encode = encoder(model.tokenizer)
-    ids = affix_ids(encode, examples[:shots], placement)
-    affix = build_affix_cache(model, ids) if config.selective and ids is not None else ids
-    requests = [request(encode, q, placement, seed=i) for i, q in enumerate(questions)]
-    out = generate(model, requests, config, affix=affix, max_batch=max_batch)
-    return sum(q.score(answer_text(model, t)) for q, t in zip(questions, out.tokens)) / n
+    return _score(model, questions, placement, affix_ids(encoder(model.tokenizer), examples[:shots], placement),
+                  config, max_batch)
+
+
+def binding(model: Model, facts: Sequence[int] = (2, 3, 5), n: int = 128, seed: int = 0) -> list[dict[str, Any]]:
+    """bAbI accuracy (full recompute, no affix) on stories of distinct people, asking about the
+    first vs the last one. Answering the last-mentioned place scores 1.0 on "last", 0 on "first"."""
+    _needs_tokenizer(model)
+    rng = np.random.default_rng([seed, 2])
+    return [{"facts": k, "ask": "first" if first else "last", "n": n,
+             "accuracy": _score(model, binding_stories(rng, n, k, first), "none", None, FULL_RECOMPUTE, n)}
+            for k in facts for first in (True, False)]
 
 
 def grid(model: Model, tasks: Sequence[str], n: int, seed: int = 0, config: DecodeConfig = FULL_RECOMPUTE,
@@ -66,10 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", choices=CACHE_POLICIES, default="dual")
     p.add_argument("--json", type=Path, help="also write the grid here")
+    p.add_argument("--binding", action="store_true", help="also run the bAbI name-binding probe")
     args = p.parse_args(argv)
     model = load(args.model)
     config = DecodeConfig(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, cache=args.cache)
     rows = grid(model, args.tasks.split(","), args.n, args.seed, config)
+    if args.binding:
+        for row in binding(model, n=args.n, seed=args.seed):
+            rows.append({"task": "babi-binding", **row})
+            print(json.dumps(rows[-1]))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

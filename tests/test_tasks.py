@@ -7,6 +7,7 @@ import pytest
 
 from acache_jax.layout import Request
 from eval.tasks import MAX_SHOTS, TASKS, eval_split, get_task
+from eval.tasks.babi import binding_stories
 from eval.tasks.base import answer_number, exact_match
 from eval.tasks.layouts import (ASSISTANT, END, GEN_LENGTH, PLACEMENTS, USER, affix_ids, affix_text, encoder, request,
                                 target_ids)
@@ -38,6 +39,17 @@ def test_babi_answer_is_the_last_location_of_the_person_asked():
         moves = [fact.split(" the ")[-1] for fact in story.split(".") if fact.strip().startswith(who + " ")]
         assert 2 <= story.count(".") <= 10 and moves[-1] == ex.answer
     assert exact_match(" Bathroom.", "bathroom") and not exact_match("bathroom kitchen", "bathroom")
+
+
+@pytest.mark.parametrize("ask_first", [True, False])
+def test_binding_stories_ask_one_of_distinct_people(ask_first):
+    for ex in binding_stories(np.random.default_rng(0), 50, 3, ask_first):
+        facts = [fact.split() for fact in ex.question.split("\n")[1].split(".") if fact.strip()]
+        who = ex.question.rsplit("Where is ", 1)[1].rstrip("?")
+        assert len({f[0] for f in facts}) == len({f[-1] for f in facts}) == 3
+        asked = facts[0] if ask_first else facts[-1]
+        assert asked[0] == who and asked[-1] == ex.answer
+        assert (ex.answer == facts[-1][-1]) == (not ask_first)  # the last-place shortcut fails on "first"
 
 
 def test_arithmetic_answers_follow_their_equations():

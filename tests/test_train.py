@@ -145,7 +145,7 @@ def test_shipped_sizes_fit_ten_megabytes(family):
 
 
 def test_accuracy_scores_generated_answers(tmp_path):
-    from eval.accuracy import accuracy, answer_text
+    from eval.accuracy import accuracy, answer_text, binding
     from eval.tokenizer import save_tokenizer
 
     tokenizer = build_tokenizer()
@@ -156,3 +156,6 @@ def test_accuracy_scores_generated_answers(tmp_path):
     eos, bathroom = model.config.eos_token_id, tokenizer.token_to_id("bathroom")
     assert answer_text(model, [bathroom, eos, bathroom]) == "bathroom"
     assert accuracy(model, "babi", "suffix", 1, 2) in (0.0, 0.5, 1.0)
+    rows = binding(model, facts=(2,), n=2)
+    assert [(r["facts"], r["ask"]) for r in rows] == [(2, "first"), (2, "last")]
+    assert all(r["accuracy"] in (0.0, 0.5, 1.0) for r in rows)
