@@ -77,6 +77,7 @@ class Recipe:
     weight_decay: float = 0.1
     mask_eps: float = 1e-3
     pretrain_fraction: float = 0.5  # rows whose prompt is masked too: dense copy signal, so retrieval is learned
+    shared_embedding: float = 1.0  # scale of one random direction added to every token's initial embedding
     gen_length: int = GEN_LENGTH
     compute_dtype: str = "bfloat16"
     attn_backend: str = "xla"
@@ -103,6 +104,17 @@ def optimizer(recipe: Recipe) -> optax.GradientTransformation:
     matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     return optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=recipe.weight_decay, mask=matrices))
+
+
+def initial_model(cfg: ModelConfig, recipe: Recipe, seed: int) -> Transformer:
+    """The random network a run starts from. Every token embedding gets one shared random direction:
+    it gives queries and keys a part that does not depend on the token, so a RoPE head can attend by
+    relative position (the previous name, the place after it) from the first step. Without it no
+    model got past answering bAbI with the last-mentioned place (docs/TRAINING.md)."""
+    model = Transformer(cfg, jnp.float32, rngs=nnx.Rngs(seed))
+    shared = jax.random.normal(jax.random.key(seed + 1), (cfg.hidden_size,), jnp.float32)
+    model.embed[...] = model.embed[...] + recipe.shared_embedding * shared
+    return model
 
 
 def corrupt(tokens: jax.Array, gen_start: jax.Array, length: jax.Array, key: jax.Array, mask_id: int,
@@ -199,7 +211,7 @@ def train(family: str, out: str | Path, recipe: Recipe = Recipe(), *, seed: int 
     print(f"{family}: {cfg.num_params / 1e6:.2f}M parameters; pool of {pool_size} sequences x {seq_len} tokens "
           f"built in {time.perf_counter() - start_time:.0f}s", file=sys.stderr)
 
-    graphdef, params = nnx.split(Transformer(cfg, jnp.float32, rngs=nnx.Rngs(seed)))
+    graphdef, params = nnx.split(initial_model(cfg, recipe, seed))
     state = TrainState(params, optimizer(recipe).init(params), jnp.int32(0))
     manager = ocp.CheckpointManager(Path(ckpt_dir or out / "checkpoints").absolute(),
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -251,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, help="warmup steps (default: 5%% of --steps)")
     p.add_argument("--pretrain-fraction", type=float, default=Recipe.pretrain_fraction,
                    help="share of sequences whose prompt is masked too (pretraining rows)")
+    p.add_argument("--shared-embedding", type=float, default=Recipe.shared_embedding,
+                   help="scale of the random direction shared by every initial token embedding (0: plain init)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a small model for CPU smoke runs")
     p.add_argument("--tasks", default=",".join(Mixture.tasks), help="comma-separated training tasks")
@@ -276,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     mixture = Mixture(tasks, tuple(default_weights.get(t, 1.0) for t in tasks), args.max_shots)
     dtype = args.compute_dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     recipe = Recipe(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, compute_dtype=dtype,
-                    pretrain_fraction=args.pretrain_fraction,
+                    pretrain_fraction=args.pretrain_fraction, shared_embedding=args.shared_embedding,
                     attn_backend=args.attn)
     train(args.family, args.out, recipe, seed=args.seed, tiny=args.tiny, mixture=mixture, seq_len=args.seq_len,
           pool_size=args.pool, workers=args.workers, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,

@@ -16,7 +16,8 @@ from acache_jax.model import Model, Transformer
 from convert.export_hf import export_hf, hf_config
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.plot_losses import plot_losses
-from eval.train import SIZES, Recipe, TrainState, corrupt, model_config, optimizer, train, train_step
+from eval.train import (SIZES, Recipe, TrainState, corrupt, initial_model, model_config, optimizer, train,
+                        train_step)
 from eval.train_data import Mixture, build_pool
 from tests.hf_checkpoints import hf_shapes
 
@@ -30,6 +31,16 @@ def _tiny(family: str) -> ModelConfig:
     return ModelConfig(family=family, vocab_size=256, hidden_size=64, num_layers=1, num_heads=1, head_dim=64,
                        intermediate_size=96, rope_theta=10000.0, rms_norm_eps=1e-6, max_seq_len=512,
                        qkv_bias=family == "dream", **kv, **IDS)
+
+
+def test_initial_embeddings_share_one_direction():
+    cfg = _tiny("llada")
+    plain = initial_model(cfg, Recipe(shared_embedding=0.0), seed=3).embed[...]
+    shifted = initial_model(cfg, Recipe(shared_embedding=2.0), seed=3).embed[...]
+    np.testing.assert_array_equal(plain, Transformer(cfg, rngs=nnx.Rngs(3)).embed[...])
+    offset = np.asarray(shifted - plain)
+    np.testing.assert_allclose(offset, np.broadcast_to(offset[0], offset.shape), atol=1e-6)  # one vector for all
+    assert 1.5 * np.sqrt(cfg.hidden_size) < np.linalg.norm(offset[0]) < 2.5 * np.sqrt(cfg.hidden_size)
 
 
 @pytest.fixture(scope="module")
@@ -159,3 +170,14 @@ def test_accuracy_scores_generated_answers(tmp_path):
     rows = binding(model, facts=(2,), n=2)
     assert [(r["facts"], r["ask"]) for r in rows] == [(2, "first"), (2, "last")]
     assert all(r["accuracy"] in (0.0, 0.5, 1.0) for r in rows)
+
+
+def test_recall_probe_batches_ask_for_a_value_in_context():
+    from eval.recall_probe import MASK, recall_batch, train_recall
+
+    tokens, answers = recall_batch(jax.random.key(0), pairs=3, batch=32)
+    assert tokens.shape == (32, 8) and bool(jnp.all(tokens[:, -1] == MASK))
+    for row, answer in zip(np.asarray(tokens), np.asarray(answers)):
+        keys, values = row[:6:2], row[1:6:2]
+        assert len(set(keys)) == 3 and values[list(keys).index(row[-2])] == answer
+    assert len(train_recall("rope", pairs=2, steps=200, batch=8, report=lambda _: None)) == 1

@@ -1,0 +1,123 @@
+"""How fast does a network learn in-context recall? A training-recipe diagnostic on CPU in minutes.
+
+python -m eval.recall_probe [--pairs 2] [--steps 1400] [--net ours|abs|rope] [--shared-embedding 1.0]
+
+Each sequence is `k1 v1 ... kP vP q [mask]`: P distinct keys with random values, then one of the
+keys; the answer is its value. This is bAbI's "where is X" without the story text. `ours` is the
+LLaDA-arch `acache_jax.model.Transformer` (2 layers, width 128, RoPE) initialised as
+`eval.train.initial_model` does; `abs` and `rope` are an independent plain-jnp pre-norm transformer
+of the same size with learned absolute position embeddings or with RoPE instead. Prints the
+answer accuracy every 200 steps (chance among the in-context values: 1/P).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from acache_jax.config import ModelConfig
+from pallas_kernels.gathered_attention import rope
+
+VOCAB, MASK, KEYS, VALUES = 128, 2, (10, 40), (50, 80)
+WIDTH, LAYERS, HEADS = 128, 2, 2
+
+
+def recall_batch(key: jax.Array, pairs: int, batch: int) -> tuple[jax.Array, jax.Array]:
+    """(tokens [B, 2P + 2] ending in the query key and a mask, answers [B])."""
+    k_keys, k_values, k_query = jax.random.split(key, 3)
+    keys = jax.vmap(lambda k: jax.random.permutation(k, KEYS[1] - KEYS[0])[:pairs])(jax.random.split(k_keys, batch))
+    keys = keys + KEYS[0]
+    values = jax.random.randint(k_values, (batch, pairs), *VALUES)
+    query = jax.random.randint(k_query, (batch, 1), 0, pairs)
+    context = jnp.stack([keys, values], -1).reshape(batch, 2 * pairs)
+    tokens = jnp.concatenate([context, jnp.take_along_axis(keys, query, 1), jnp.full((batch, 1), MASK)], 1)
+    return tokens, jnp.take_along_axis(values, query, 1)[:, 0]
+
+
+def ours(shared_embedding: float, seed: int = 0):
+    from eval.train import Recipe, initial_model
+
+    cfg = ModelConfig(family="llada", vocab_size=VOCAB, hidden_size=WIDTH, num_layers=LAYERS, num_heads=HEADS,
+                      num_kv_heads=HEADS, head_dim=WIDTH // HEADS, intermediate_size=3 * WIDTH, rope_theta=500000.0,
+                      rms_norm_eps=1e-5, max_seq_len=512, qkv_bias=False, mask_token_id=MASK, eos_token_id=3,
+                      pad_token_id=0)
+    graphdef, params = nnx.split(initial_model(cfg, Recipe(shared_embedding=shared_embedding), seed))
+    positions = lambda t: jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape)
+    return params, lambda p, t: nnx.merge(graphdef, p)(t, positions(t)).logits[:, -1]
+
+
+def reference(absolute: bool, length: int, seed: int = 0):
+    """A plain pre-norm transformer (GELU MLP, no norm weights, 0.02 embeddings)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 4 + 4 * LAYERS))
+    normal = lambda shape, std: jax.random.normal(next(keys), shape) * std
+    params = {"embed": normal((VOCAB, WIDTH), 0.02), "pos": normal((length, WIDTH), 0.02),
+              "head": normal((WIDTH, VOCAB), WIDTH**-0.5),
+              "layers": [{"qkv": normal((WIDTH, 3 * WIDTH), WIDTH**-0.5), "o": normal((WIDTH, WIDTH), WIDTH**-0.5 / 2),
+                          "up": normal((WIDTH, 4 * WIDTH), WIDTH**-0.5),
+                          "down": normal((4 * WIDTH, WIDTH), (4 * WIDTH) ** -0.5 / 2)} for _ in range(LAYERS)]}
+    norm = lambda x: x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5)
+
+    def apply(p, tokens):
+        b, t = tokens.shape
+        x = p["embed"][tokens] + (p["pos"][None, :t] if absolute else 0.0)
+        positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        heads = lambda a: a.reshape(b, t, HEADS, -1)
+        for layer in p["layers"]:
+            q, k, v = map(heads, jnp.split(norm(x) @ layer["qkv"], 3, -1))
+            if not absolute:
+                q, k = rope(q, positions, 10000.0), rope(k, positions, 10000.0)
+            att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]), -1)
+            x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, -1) @ layer["o"]
+            x = x + jax.nn.gelu(norm(x) @ layer["up"]) @ layer["down"]
+        return (norm(x) @ p["head"])[:, -1]
+
+    return params, apply
+
+
+def train_recall(net: str, pairs: int, steps: int, shared_embedding: float = 1.0, batch: int = 64, lr: float = 1e-3,
+                 report=print) -> list[float]:
+    """Accuracy over each 200 steps (AdamW, b2 0.95, weight decay 0.1, fresh batches every step)."""
+    params, apply = ours(shared_embedding) if net == "ours" else reference(net == "abs", 2 * pairs + 2)
+    opt = optax.adamw(lr, b2=0.95, weight_decay=0.1)
+
+    def loss(p, tokens, answers):
+        logits = apply(p, tokens)
+        correct = jnp.argmax(logits, -1) == answers
+        return optax.softmax_cross_entropy_with_integer_labels(logits, answers).mean(), correct
+
+    @jax.jit
+    def step(p, state, i):
+        (_, correct), grads = jax.value_and_grad(loss, has_aux=True)(p, *recall_batch(jax.random.key(i), pairs, batch))
+        updates, state = opt.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, jnp.mean(correct)
+
+    state, correct, curve, start = opt.init(params), [], [], time.perf_counter()
+    for i in range(steps):
+        params, state, acc = step(params, state, i)
+        correct.append(acc)
+        if (i + 1) % 200 == 0:
+            curve.append(float(np.mean(jax.device_get(correct[-200:]))))
+            report(f"{net} pairs {pairs} step {i + 1}: accuracy {curve[-1]:.3f} ({time.perf_counter() - start:.0f}s)")
+    return curve
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.recall_probe", description=__doc__.splitlines()[0])
+    p.add_argument("--net", choices=["ours", "abs", "rope"], default="ours")
+    p.add_argument("--pairs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=1400)
+    p.add_argument("--shared-embedding", type=float, default=1.0, help="for --net ours (0: plain init)")
+    args = p.parse_args(argv)
+    train_recall(args.net, args.pairs, args.steps, args.shared_embedding)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
