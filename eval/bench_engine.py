@@ -118,8 +118,9 @@ def table(rows: list[dict]) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llada,dream")
-    ap.add_argument("--batches", default=[16, 1, 4], type=lambda s: [int(x) for x in s.split(",")])
-    ap.add_argument("--shots", default=[4, 1, 2], type=lambda s: [int(x) for x in s.split(",")])
+    ints = lambda text: [int(x) for x in text.split(",")]
+    ap.add_argument("--batches", default=[16, 1, 4], type=ints)
+    ap.add_argument("--shots", default=[4, 1, 2], type=ints)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs); default: the full model")
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--block", type=int, default=32)

@@ -208,8 +208,12 @@ class Engine:
         offset = _per_row(offsets, batch_bucket(len(columns)), np.int32)
         return runner.Reads(*self._per_column(slots, columns, np.int32(0)), offset)
 
-    def _shared_reads(self, seqs: list[Sequence], columns: list[np.ndarray]) -> runner.Reads:
-        """Reads of affix columns from the shared slots, at each request's affix offset."""
+    def _shared_reads(self, seqs: list[Sequence]) -> runner.Reads | None:
+        """Reads of the non-anchor affix columns from the shared slots at each request's affix
+        offset; None when no request reads a shared affix (or DropNA drops those columns)."""
+        if self.config.drop_non_anchor or not any(s.shares_affix for s in seqs):
+            return None
+        columns = [s.shared_columns for s in seqs]
         return self._reads(columns, [s.read_slot_map[c] for s, c in zip(seqs, columns)],
                            [s.affix_start for s in seqs])
 
@@ -249,9 +253,7 @@ class Engine:
         write = _pad([s.write_slot_map for s in seqs], width, np.int32(self.pool.num_slots), n)
         logit_index = _pad([np.searchsorted(c, s.block_columns).astype(np.int32) for s, c in zip(seqs, cols)],
                            self.config.block_length, np.int32(0), n)
-        reads = None
-        if any(s.shares_affix for s in seqs) and not self.config.drop_non_anchor:
-            reads = self._shared_reads(seqs, [s.shared_columns for s in seqs])
+        reads = self._shared_reads(seqs)
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
         self.pool, blocks = runner.recompute_step(self._structure, self.config, self._params, self.pool,
@@ -267,9 +269,9 @@ class Engine:
         # Block columns come from the forward itself; non-anchor affix columns from the shared slots
         # (unless DropNA drops them); the rest from the request's private slots.
         private = [np.setdiff1d(s.private_columns, s.block_columns) for s in seqs]
+        shared = self._shared_reads(seqs)
         reads = (self._reads(private, [s.read_slot_map[c] for s, c in zip(seqs, private)], [0] * len(seqs)),)
-        if any(s.shares_affix for s in seqs) and not self.config.drop_non_anchor:
-            reads = (self._shared_reads(seqs, [s.shared_columns for s in seqs]), *reads)
+        reads = reads if shared is None else (shared, *reads)
         commit = self._commit_inputs(seqs)
         start = time.perf_counter()
         blocks = runner.decode_step(self._structure, self.config, self._params, self.pool,
