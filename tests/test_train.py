@@ -181,3 +181,13 @@ def test_recall_probe_batches_ask_for_a_value_in_context():
         keys, values = row[:6:2], row[1:6:2]
         assert len(set(keys)) == 3 and values[list(keys).index(row[-2])] == answer
     assert len(train_recall("rope", pairs=2, steps=200, batch=8, report=lambda _: None)) == 1
+
+
+def test_bench_train_times_every_setting(capsys):
+    from eval.bench_train import main
+
+    assert main(["--batch", "2", "--seq-len", "64", "--steps", "1", "--attn", "xla",
+                 "--pretrain-fraction", "0.5,0"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("attn xla")]
+    assert [l.split(":")[0] for l in lines] == ["attn xla, pretrain fraction 0.5", "attn xla, pretrain fraction 0.0"]
+    assert all(float(l.split("then ")[1].split()[0]) > 0 for l in lines)
