@@ -20,7 +20,7 @@ from acache_jax.acache import build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.decode import CACHE_POLICIES, DecodeConfig, generate
 from acache_jax.model import Model
-from eval.tasks import MAX_SHOTS, TASKS, Example, eval_split, get_task
+from eval.tasks import MAX_SHOTS, STUDY_TASKS, Example, eval_split, get_task
 from eval.tasks.babi import binding_stories
 from eval.tasks.layouts import GEN_LENGTH, PLACEMENTS, Placement, affix_ids, encoder, request
 
@@ -85,7 +85,7 @@ def grid(model: Model, tasks: Sequence[str], n: int, seed: int = 0, config: Deco
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True)
-    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--tasks", default=",".join(STUDY_TASKS))
     p.add_argument("-n", type=int, default=64, help="questions per setting")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache", choices=CACHE_POLICIES, default="dual")

@@ -25,7 +25,7 @@ from typing import Any
 
 from acache_jax.checkpoint import load
 from eval.accuracy import FULL_RECOMPUTE, accuracy
-from eval.tasks import TASKS
+from eval.tasks import STUDY_TASKS
 
 PLACEMENTS = ("prefix", "infix", "suffix")
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", help="comma-separated model directories")
     p.add_argument("--merge", help="comma-separated output directories of earlier runs (shards): combine their "
                    "rows instead of decoding")
-    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--tasks", default=",".join(STUDY_TASKS))
     p.add_argument("--placements", default=",".join(PLACEMENTS))
     p.add_argument("--shots", default="1,2")
     p.add_argument("--ratios", default="0,0.1,0.2,0.3,0.5,1")

@@ -1,9 +1,12 @@
 """How fast does a network learn in-context recall? A training-recipe diagnostic on CPU in minutes.
 
-python -m eval.recall_probe [--pairs 2] [--steps 1400] [--net ours|abs|rope] [--shared-embedding 1.0]
+python -m eval.recall_probe [--pairs 2] [--steps 1400] [--net ours|abs|rope] [--shared-embedding 1.0] [--aux 0]
 
 Each sequence is `k1 v1 ... kP vP q [mask]`: P distinct keys with random values, then one of the
-keys; the answer is its value. This is bAbI's "where is X" without the story text. `ours` is the
+keys; the answer is its value. This is bAbI's "where is X" without the story text. With `--aux F`
+every batch also holds F x batch aux rows: copies of recall rows whose values are a fixed function
+of their keys, one value masked. Predicting it rewards a head that copies the previous token (the
+first half of the recall circuit) on its own, as `eval.tasks.babi`'s routine stories do for bAbI. `ours` is the
 LLaDA-arch `acache_jax.model.Transformer` (2 layers, width 128, RoPE) initialised as
 `eval.train.initial_model` does; `abs` and `rope` are an independent plain-jnp pre-norm transformer
 of the same size with learned absolute position embeddings or with RoPE instead. Prints the
@@ -26,6 +29,7 @@ from acache_jax.config import ModelConfig
 from pallas_kernels.gathered_attention import rope
 
 VOCAB, MASK, KEYS, VALUES = 128, 2, (10, 40), (50, 80)
+FIXED_VALUE = np.random.default_rng(99).integers(*VALUES, size=KEYS[1])  # key -> value of the aux rows
 WIDTH, LAYERS, HEADS = 128, 2, 2
 
 
@@ -41,6 +45,17 @@ def recall_batch(key: jax.Array, pairs: int, batch: int) -> tuple[jax.Array, jax
     return tokens, jnp.take_along_axis(values, query, 1)[:, 0]
 
 
+def aux_rows(tokens: jax.Array, key: jax.Array, pairs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Recall rows [B, 2P + 2] turned into aux rows: values FIXED_VALUE[key] and one of them masked;
+    (tokens, the masked column [B], its value [B]). The query tail stays, unscored."""
+    b = tokens.shape[0]
+    keys = tokens[:, 0:2 * pairs:2]
+    context = jnp.stack([keys, jnp.asarray(FIXED_VALUE)[keys]], -1).reshape(b, 2 * pairs)
+    column = 2 * jax.random.randint(key, (b,), 0, pairs) + 1
+    rows = jnp.arange(b)
+    return jnp.concatenate([context.at[rows, column].set(MASK), tokens[:, 2 * pairs:]], 1), column, context[rows, column]
+
+
 def ours(shared_embedding: float, seed: int = 0):
     from eval.train import Recipe, initial_model
 
@@ -50,7 +65,7 @@ def ours(shared_embedding: float, seed: int = 0):
                       pad_token_id=0)
     graphdef, params = nnx.split(initial_model(cfg, Recipe(shared_embedding=shared_embedding), seed))
     positions = lambda t: jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape)
-    return params, lambda p, t: nnx.merge(graphdef, p)(t, positions(t)).logits[:, -1]
+    return params, lambda p, t: nnx.merge(graphdef, p)(t, positions(t)).logits
 
 
 def reference(absolute: bool, length: int, seed: int = 0):
@@ -76,25 +91,32 @@ def reference(absolute: bool, length: int, seed: int = 0):
             att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]), -1)
             x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, -1) @ layer["o"]
             x = x + jax.nn.gelu(norm(x) @ layer["up"]) @ layer["down"]
-        return (norm(x) @ p["head"])[:, -1]
+        return norm(x) @ p["head"]
 
     return params, apply
 
 
 def train_recall(net: str, pairs: int, steps: int, shared_embedding: float = 1.0, batch: int = 64, lr: float = 1e-3,
-                 report=print) -> list[float]:
-    """Accuracy over each 200 steps (AdamW, b2 0.95, weight decay 0.1, fresh batches every step)."""
+                 aux: float = 0.0, report=print) -> list[float]:
+    """Recall accuracy over each 200 steps (AdamW, b2 0.95, weight decay 0.1, fresh batches every step);
+    `aux`: rows of fixed-function pairs added per recall row, their loss added to the recall loss."""
     params, apply = ours(shared_embedding) if net == "ours" else reference(net == "abs", 2 * pairs + 2)
     opt = optax.adamw(lr, b2=0.95, weight_decay=0.1)
+    n_aux = round(aux * batch)
 
-    def loss(p, tokens, answers):
-        logits = apply(p, tokens)
-        correct = jnp.argmax(logits, -1) == answers
-        return optax.softmax_cross_entropy_with_integer_labels(logits, answers).mean(), correct
+    def loss(p, key):
+        tokens, answers = recall_batch(key, pairs, batch)
+        logits = apply(p, tokens)[:, -1]
+        total = optax.softmax_cross_entropy_with_integer_labels(logits, answers).mean()
+        if n_aux:
+            tokens, column, values = aux_rows(tokens[:n_aux], jax.random.fold_in(key, 1), pairs)
+            aux_logits = jnp.take_along_axis(apply(p, tokens), column[:, None, None], 1)[:, 0]
+            total += optax.softmax_cross_entropy_with_integer_labels(aux_logits, values).mean()
+        return total, jnp.argmax(logits, -1) == answers
 
     @jax.jit
     def step(p, state, i):
-        (_, correct), grads = jax.value_and_grad(loss, has_aux=True)(p, *recall_batch(jax.random.key(i), pairs, batch))
+        (_, correct), grads = jax.value_and_grad(loss, has_aux=True)(p, jax.random.key(i))
         updates, state = opt.update(grads, state, p)
         return optax.apply_updates(p, updates), state, jnp.mean(correct)
 
@@ -114,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pairs", type=int, default=2)
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--shared-embedding", type=float, default=1.0, help="for --net ours (0: plain init)")
+    p.add_argument("--aux", type=float, default=0.0, help="fixed-function rows per recall row (0: none)")
     args = p.parse_args(argv)
-    train_recall(args.net, args.pairs, args.steps, args.shared_embedding)
+    train_recall(args.net, args.pairs, args.steps, args.shared_embedding, aux=args.aux)
     return 0
 
 

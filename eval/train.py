@@ -37,7 +37,7 @@ from flax import nnx
 from acache_jax.config import ModelConfig
 from acache_jax.model import Transformer
 from convert.export_hf import export_hf
-from eval.tasks import TASKS
+from eval.tasks import STUDY_TASKS
 from eval.tasks.layouts import GEN_LENGTH
 from eval.tokenizer import build_tokenizer, save_tokenizer, special_ids
 from eval.train_data import Mixture, Pool, build_pool
@@ -253,6 +253,14 @@ def train(family: str, out: str | Path, recipe: Recipe = Recipe(), *, seed: int 
     return cfg, state.params
 
 
+def parse_mixture(tasks: str, weights: str | None, max_shots: int) -> Mixture:
+    """The mixture of comma-separated task names and weights (default: Mixture's, 1 for other tasks)."""
+    names = tuple(tasks.split(","))
+    defaults = dict(zip(Mixture.tasks, Mixture.weights))
+    values = tuple(float(w) for w in weights.split(",")) if weights else tuple(defaults.get(t, 1.0) for t in names)
+    return Mixture(names, values, max_shots)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.train", description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=sorted(SIZES), required=True)
@@ -268,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a small model for CPU smoke runs")
     p.add_argument("--tasks", default=",".join(Mixture.tasks), help="comma-separated training tasks")
+    p.add_argument("--weights", help="comma-separated sampling weights, one per task (default: "
+                   f"{dict(zip(Mixture.tasks, Mixture.weights))}, 1 for other tasks)")
     p.add_argument("--max-shots", type=int, default=Mixture.max_shots, help="most few-shot examples in training")
     p.add_argument("--seq-len", type=int, default=320, help="training sequence length (longer samples are redrawn)")
     p.add_argument("--pool", type=int, help="distinct training sequences (default: steps x batch, at most 2^20)")
@@ -282,12 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", action="store_true", help="write OUT/loss.png (needs matplotlib; or later: "
                    "python -m eval.plot_losses OUT/losses.json)")
     p.add_argument("--eval-n", type=int, default=0, help="held-out questions per setting to score after training")
-    p.add_argument("--eval-tasks", default=",".join(TASKS))
+    p.add_argument("--eval-tasks", default=",".join(STUDY_TASKS))
     args = p.parse_args(argv)
 
-    tasks = tuple(args.tasks.split(","))
-    default_weights = dict(zip(Mixture.tasks, Mixture.weights))
-    mixture = Mixture(tasks, tuple(default_weights.get(t, 1.0) for t in tasks), args.max_shots)
+    mixture = parse_mixture(args.tasks, args.weights, args.max_shots)
     dtype = args.compute_dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     recipe = Recipe(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, compute_dtype=dtype,
                     pretrain_fraction=args.pretrain_fraction, shared_embedding=args.shared_embedding,

@@ -41,6 +41,18 @@ def test_babi_answer_is_the_last_location_of_the_person_asked():
     assert exact_match(" Bathroom.", "bathroom") and not exact_match("bathroom kitchen", "bathroom")
 
 
+def test_routine_stories_send_everyone_to_their_own_place():
+    from eval.tasks import STUDY_TASKS
+    from eval.tasks.babi import ROUTINE
+
+    for ex in TASKS["routine"].generate(np.random.default_rng(0), 100):
+        facts = [fact.split() for fact in ex.question.split("\n")[1].split(".") if fact.strip()]
+        who = ex.question.rsplit("Where is ", 1)[1].rstrip("?")
+        assert all(f[-1] == ROUTINE[f[0]] for f in facts) and ex.answer == ROUTINE[who]
+        assert [f[-1] for f in facts if f[0] == who][-1] == ex.answer  # also the bAbI answer
+    assert len(set(ROUTINE.values())) == len(ROUTINE) and "routine" not in STUDY_TASKS
+
+
 @pytest.mark.parametrize("ask_first", [True, False])
 def test_binding_stories_ask_one_of_distinct_people(ask_first):
     for ex in binding_stories(np.random.default_rng(0), 50, 3, ask_first):

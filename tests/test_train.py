@@ -183,6 +183,28 @@ def test_recall_probe_batches_ask_for_a_value_in_context():
     assert len(train_recall("rope", pairs=2, steps=200, batch=8, report=lambda _: None)) == 1
 
 
+def test_recall_probe_aux_rows_mask_one_fixed_value():
+    from eval.recall_probe import FIXED_VALUE, MASK, aux_rows, recall_batch, train_recall
+
+    recall, _ = recall_batch(jax.random.key(0), pairs=3, batch=32)
+    tokens, column, values = aux_rows(recall, jax.random.key(1), pairs=3)
+    assert tokens.shape == (32, 8) and set(np.asarray(column) % 2) == {1}
+    for row, source, col, value in zip(np.asarray(tokens), np.asarray(recall), np.asarray(column), np.asarray(values)):
+        assert row[col] == MASK and (row[:6] == MASK).sum() == 1 and value == FIXED_VALUE[row[col - 1]]
+        assert all(row[i + 1] == FIXED_VALUE[row[i]] for i in range(0, 6, 2) if i + 1 != col)
+        assert list(row[::2]) == list(source[::2]) and list(row[6:]) == list(source[6:])  # keys and query kept
+    assert len(train_recall("ours", pairs=2, steps=200, batch=8, aux=0.5, report=lambda _: None)) == 1
+
+
+def test_mixture_from_the_command_line():
+    from eval.train import parse_mixture
+
+    assert parse_mixture("babi,routine", "0.45,0.15", 0) == Mixture(("babi", "routine"), (0.45, 0.15), 0)
+    assert parse_mixture("babi,routine", None, 2).weights == (0.6, 1.0)  # the default mixture's, else 1
+    with pytest.raises(ValueError, match="one weight per known task"):
+        parse_mixture("babi,routine", "0.5", 2)
+
+
 def test_bench_train_times_every_setting(capsys):
     from eval.bench_train import main
 

@@ -11,7 +11,8 @@ import numpy as np
 from eval.tasks import arithmetic, babi, codebook
 from eval.tasks.base import Example, Prompt, Task
 
-TASKS: dict[str, Task] = {task.name: task for task in (babi.TASK, arithmetic.TASK, codebook.TASK)}
+TASKS: dict[str, Task] = {task.name: task for task in (babi.TASK, babi.ROUTINE_TASK, arithmetic.TASK, codebook.TASK)}
+STUDY_TASKS = ("babi", "arithmetic", "codebook")  # what evaluations report by default; routine only trains
 MAX_SHOTS = 2
 _EVAL_STREAM = 1  # training draws from other seed streams (eval/train_data.py), so questions are held out
 
@@ -28,4 +29,4 @@ def eval_split(task: Task, seed: int, n: int) -> tuple[list[Example], list[Examp
     return examples[:MAX_SHOTS], examples[MAX_SHOTS:]
 
 
-__all__ = ["Example", "MAX_SHOTS", "Prompt", "TASKS", "Task", "eval_split", "get_task"]
+__all__ = ["Example", "MAX_SHOTS", "Prompt", "STUDY_TASKS", "TASKS", "Task", "eval_split", "get_task"]

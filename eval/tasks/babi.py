@@ -1,7 +1,13 @@
-"""bAbI qa1-style location retrieval (the source of BABILong 0k/qa1).
+"""bAbI qa1-style location retrieval (the source of BABILong 0k/qa1), and its training companion.
 
-A story of 2-10 moves by a few people; the question asks where one of them is, so the answer is
-that person's last location: earlier moves and other people's moves are distractors.
+babi: a story of 2-10 moves by a few people; the question asks where one of them is, so the answer
+is that person's last location: earlier moves and other people's moves are distractors.
+
+routine: the same stories, except that every person always goes to the same place (`ROUTINE`).
+A place there can be told from the name before it, so a masked place (pretraining rows) rewards
+attention from a place back to its sentence's name, and the answer rewards attention from the
+answer to the name asked about: each half of bAbI's retrieval with a one-step signal of its own.
+bAbI's own loss rewards a half only once the other half works (docs/TRAINING.md).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ NAMES = ("Mary", "John", "Daniel", "Sandra", "Emma", "Peter")
 PLACES = ("bathroom", "hallway", "garden", "office", "kitchen", "bedroom", "cellar", "balcony")
 VERBS = ("moved to", "went to", "journeyed to", "travelled to", "went back to")
 MIN_FACTS, MAX_FACTS = 2, 10
+ROUTINE = dict(zip(NAMES, ("kitchen", "garden", "office", "bathroom", "cellar", "balcony")))
 
 
 def _example(facts: list[tuple[str, str, str]], who: str) -> Example:
@@ -25,9 +32,9 @@ def _example(facts: list[tuple[str, str, str]], who: str) -> Example:
                    functools.partial(exact_match, target=where), BABI)
 
 
-def story(rng: np.random.Generator) -> Example:
-    facts = [(pick(rng, NAMES), pick(rng, VERBS), pick(rng, PLACES))
-             for _ in range(int(rng.integers(MIN_FACTS, MAX_FACTS + 1)))]
+def story(rng: np.random.Generator, routine: bool = False) -> Example:
+    names = [pick(rng, NAMES) for _ in range(int(rng.integers(MIN_FACTS, MAX_FACTS + 1)))]
+    facts = [(name, pick(rng, VERBS), ROUTINE[name] if routine else pick(rng, PLACES)) for name in names]
     return _example(facts, facts[int(rng.integers(len(facts)))][0])
 
 
@@ -47,4 +54,9 @@ def generate(rng: np.random.Generator, n: int) -> list[Example]:
     return [story(rng) for _ in range(n)]
 
 
+def generate_routine(rng: np.random.Generator, n: int) -> list[Example]:
+    return [story(rng, routine=True) for _ in range(n)]
+
+
 TASK = Task("babi", generate, (*NAMES, *PLACES, *VERBS, "Story: the . Question: Where is ?"))
+ROUTINE_TASK = Task("routine", generate_routine, TASK.vocabulary)
