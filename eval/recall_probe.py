@@ -1,12 +1,15 @@
 """How fast does a network learn in-context recall? A training-recipe diagnostic on CPU in minutes.
 
-python -m eval.recall_probe [--pairs 2] [--steps 1400] [--net ours|abs|rope] [--shared-embedding 1.0] [--aux 0]
+python -m eval.recall_probe [--pairs 2] [--steps 1400] [--net ours|abs|rope] [--shared-embedding 1.0]
+    [--aux 0] [--gap 0]
 
-Each sequence is `k1 v1 ... kP vP q [mask]`: P distinct keys with random values, then one of the
-keys; the answer is its value. This is bAbI's "where is X" without the story text. With `--aux F`
-every batch also holds F x batch aux rows: copies of recall rows whose values are a fixed function
-of their keys, one value masked. Predicting it rewards a head that copies the previous token (the
-first half of the recall circuit) on its own, as `eval.tasks.babi`'s routine stories do for bAbI. `ours` is the
+Each sequence is `k1 v1 ... kP vP q [gap] [mask]`: P distinct keys with random values, one of the
+keys, `--gap` fixed filler tokens; the answer is the query's value. This is bAbI's "where is X"
+without the story text. With `--aux F` every batch also holds F x batch aux rows: copies of recall
+rows whose values are a fixed function of their keys, with one value masked and scored, and the
+final mask scored against the query's fixed value. Each rewards one half of the recall circuit on
+its own (copy a key into its value's position; fetch the query into the mask's), as
+`eval.tasks.babi`'s routine stories do for bAbI. `ours` is the
 LLaDA-arch `acache_jax.model.Transformer` (2 layers, width 128, RoPE) initialised as
 `eval.train.initial_model` does; `abs` and `rope` are an independent plain-jnp pre-norm transformer
 of the same size with learned absolute position embeddings or with RoPE instead. Prints the
@@ -28,32 +31,35 @@ from flax import nnx
 from acache_jax.config import ModelConfig
 from pallas_kernels.gathered_attention import rope
 
-VOCAB, MASK, KEYS, VALUES = 128, 2, (10, 40), (50, 80)
+VOCAB, MASK, KEYS, VALUES, FILLER = 128, 2, (10, 40), (50, 80), 100
 FIXED_VALUE = np.random.default_rng(99).integers(*VALUES, size=KEYS[1])  # key -> value of the aux rows
 WIDTH, LAYERS, HEADS = 128, 2, 2
 
 
-def recall_batch(key: jax.Array, pairs: int, batch: int) -> tuple[jax.Array, jax.Array]:
-    """(tokens [B, 2P + 2] ending in the query key and a mask, answers [B])."""
+def recall_batch(key: jax.Array, pairs: int, batch: int, gap: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(tokens [B, 2P + 2 + gap]: pairs, the query key, `gap` fillers and a mask; answers [B])."""
     k_keys, k_values, k_query = jax.random.split(key, 3)
     keys = jax.vmap(lambda k: jax.random.permutation(k, KEYS[1] - KEYS[0])[:pairs])(jax.random.split(k_keys, batch))
     keys = keys + KEYS[0]
     values = jax.random.randint(k_values, (batch, pairs), *VALUES)
     query = jax.random.randint(k_query, (batch, 1), 0, pairs)
     context = jnp.stack([keys, values], -1).reshape(batch, 2 * pairs)
-    tokens = jnp.concatenate([context, jnp.take_along_axis(keys, query, 1), jnp.full((batch, 1), MASK)], 1)
+    fillers = jnp.broadcast_to(FILLER + jnp.arange(gap), (batch, gap))
+    tokens = jnp.concatenate([context, jnp.take_along_axis(keys, query, 1), fillers, jnp.full((batch, 1), MASK)], 1)
     return tokens, jnp.take_along_axis(values, query, 1)[:, 0]
 
 
-def aux_rows(tokens: jax.Array, key: jax.Array, pairs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Recall rows [B, 2P + 2] turned into aux rows: values FIXED_VALUE[key] and one of them masked;
-    (tokens, the masked column [B], its value [B]). The query tail stays, unscored."""
+def aux_rows(tokens: jax.Array, key: jax.Array, pairs: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Recall rows turned into aux rows: values FIXED_VALUE[key], one of them masked; (tokens, the
+    masked column [B], its value [B], the final mask's answer FIXED_VALUE[query] [B])."""
     b = tokens.shape[0]
     keys = tokens[:, 0:2 * pairs:2]
     context = jnp.stack([keys, jnp.asarray(FIXED_VALUE)[keys]], -1).reshape(b, 2 * pairs)
     column = 2 * jax.random.randint(key, (b,), 0, pairs) + 1
     rows = jnp.arange(b)
-    return jnp.concatenate([context.at[rows, column].set(MASK), tokens[:, 2 * pairs:]], 1), column, context[rows, column]
+    tail = tokens[:, 2 * pairs:]
+    return (jnp.concatenate([context.at[rows, column].set(MASK), tail], 1), column, context[rows, column],
+            jnp.asarray(FIXED_VALUE)[tail[:, 0]])
 
 
 def ours(shared_embedding: float, seed: int = 0):
@@ -97,21 +103,23 @@ def reference(absolute: bool, length: int, seed: int = 0):
 
 
 def train_recall(net: str, pairs: int, steps: int, shared_embedding: float = 1.0, batch: int = 64, lr: float = 1e-3,
-                 aux: float = 0.0, report=print) -> list[float]:
+                 aux: float = 0.0, gap: int = 0, report=print) -> list[float]:
     """Recall accuracy over each 200 steps (AdamW, b2 0.95, weight decay 0.1, fresh batches every step);
     `aux`: rows of fixed-function pairs added per recall row, their loss added to the recall loss."""
-    params, apply = ours(shared_embedding) if net == "ours" else reference(net == "abs", 2 * pairs + 2)
+    params, apply = ours(shared_embedding) if net == "ours" else reference(net == "abs", 2 * pairs + 2 + gap)
     opt = optax.adamw(lr, b2=0.95, weight_decay=0.1)
     n_aux = round(aux * batch)
 
     def loss(p, key):
-        tokens, answers = recall_batch(key, pairs, batch)
+        tokens, answers = recall_batch(key, pairs, batch, gap)
         logits = apply(p, tokens)[:, -1]
         total = optax.softmax_cross_entropy_with_integer_labels(logits, answers).mean()
         if n_aux:
-            tokens, column, values = aux_rows(tokens[:n_aux], jax.random.fold_in(key, 1), pairs)
-            aux_logits = jnp.take_along_axis(apply(p, tokens), column[:, None, None], 1)[:, 0]
-            total += optax.softmax_cross_entropy_with_integer_labels(aux_logits, values).mean()
+            tokens, column, values, query_values = aux_rows(tokens[:n_aux], jax.random.fold_in(key, 1), pairs)
+            aux_logits = apply(p, tokens)
+            masked_value = jnp.take_along_axis(aux_logits, column[:, None, None], 1)[:, 0]
+            total += optax.softmax_cross_entropy_with_integer_labels(masked_value, values).mean()
+            total += optax.softmax_cross_entropy_with_integer_labels(aux_logits[:, -1], query_values).mean()
         return total, jnp.argmax(logits, -1) == answers
 
     @jax.jit
@@ -137,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--shared-embedding", type=float, default=1.0, help="for --net ours (0: plain init)")
     p.add_argument("--aux", type=float, default=0.0, help="fixed-function rows per recall row (0: none)")
+    p.add_argument("--gap", type=int, default=0, help="filler tokens between the query and its mask")
     args = p.parse_args(argv)
-    train_recall(args.net, args.pairs, args.steps, args.shared_embedding, aux=args.aux)
+    train_recall(args.net, args.pairs, args.steps, args.shared_embedding, aux=args.aux, gap=args.gap)
     return 0
 
 

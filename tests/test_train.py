@@ -184,16 +184,18 @@ def test_recall_probe_batches_ask_for_a_value_in_context():
 
 
 def test_recall_probe_aux_rows_mask_one_fixed_value():
-    from eval.recall_probe import FIXED_VALUE, MASK, aux_rows, recall_batch, train_recall
+    from eval.recall_probe import FILLER, FIXED_VALUE, MASK, aux_rows, recall_batch, train_recall
 
-    recall, _ = recall_batch(jax.random.key(0), pairs=3, batch=32)
-    tokens, column, values = aux_rows(recall, jax.random.key(1), pairs=3)
-    assert tokens.shape == (32, 8) and set(np.asarray(column) % 2) == {1}
-    for row, source, col, value in zip(np.asarray(tokens), np.asarray(recall), np.asarray(column), np.asarray(values)):
+    recall, _ = recall_batch(jax.random.key(0), pairs=3, batch=32, gap=2)
+    assert recall.shape == (32, 10) and bool(jnp.all(recall[:, 7:9] == jnp.array([FILLER, FILLER + 1])))
+    tokens, column, values, query_values = aux_rows(recall, jax.random.key(1), pairs=3)
+    assert tokens.shape == (32, 10) and set(np.asarray(column) % 2) == {1}
+    for row, source, col, value, query_value in zip(*map(np.asarray, (tokens, recall, column, values, query_values))):
         assert row[col] == MASK and (row[:6] == MASK).sum() == 1 and value == FIXED_VALUE[row[col - 1]]
         assert all(row[i + 1] == FIXED_VALUE[row[i]] for i in range(0, 6, 2) if i + 1 != col)
-        assert list(row[::2]) == list(source[::2]) and list(row[6:]) == list(source[6:])  # keys and query kept
-    assert len(train_recall("ours", pairs=2, steps=200, batch=8, aux=0.5, report=lambda _: None)) == 1
+        assert list(row[::2][:3]) == list(source[::2][:3]) and list(row[6:]) == list(source[6:])  # keys, tail kept
+        assert query_value == FIXED_VALUE[row[6]]
+    assert len(train_recall("ours", pairs=2, steps=200, batch=8, aux=0.5, gap=1, report=lambda _: None)) == 1
 
 
 def test_mixture_from_the_command_line():
