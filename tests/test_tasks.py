@@ -41,6 +41,15 @@ def test_babi_answer_is_the_last_location_of_the_person_asked():
     assert exact_match(" Bathroom.", "bathroom") and not exact_match("bathroom kitchen", "bathroom")
 
 
+def test_babi_draws_stay_the_same_for_a_seed():
+    """Held-out questions (and the accuracies reported on them) depend on the order of the draws."""
+    ex = TASKS["babi"].generate(np.random.default_rng(0), 1)[0]
+    assert ex.question == ("Story:\nSandra journeyed to the garden. John moved to the bathroom. Mary moved to the "
+                           "cellar. Sandra went back to the kitchen. Sandra went back to the bedroom. Sandra journeyed "
+                           "to the kitchen. Peter went to the cellar. Emma moved to the office. Peter journeyed to the "
+                           "bathroom.\nQuestion: Where is Peter?") and ex.answer == "bathroom"
+
+
 def test_routine_stories_send_everyone_to_their_own_place():
     from eval.tasks import STUDY_TASKS
     from eval.tasks.babi import ROUTINE

@@ -33,8 +33,10 @@ def _example(facts: list[tuple[str, str, str]], who: str) -> Example:
 
 
 def story(rng: np.random.Generator, routine: bool = False) -> Example:
-    names = [pick(rng, NAMES) for _ in range(int(rng.integers(MIN_FACTS, MAX_FACTS + 1)))]
-    facts = [(name, pick(rng, VERBS), ROUTINE[name] if routine else pick(rng, PLACES)) for name in names]
+    facts = []
+    for _ in range(int(rng.integers(MIN_FACTS, MAX_FACTS + 1))):  # name, verb, place: the draw order of a seed
+        name, verb = pick(rng, NAMES), pick(rng, VERBS)
+        facts.append((name, verb, ROUTINE[name] if routine else pick(rng, PLACES)))
     return _example(facts, facts[int(rng.integers(len(facts)))][0])
 
 
