@@ -17,16 +17,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from acache_jax.config import ModelConfig
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.train import SIZES, Recipe, TrainState, initial_model, model_config, optimizer, train_step
-from eval.train_data import Mixture, build_pool
+from eval.train_data import Mixture, Pool, build_pool
 
 
-def steps_per_second(family: str, batch: int, seq_len: int, steps: int, attn: str, pretrain_fraction: float,
-                     pool) -> tuple[float, float]:
+def steps_per_second(cfg: ModelConfig, batch: int, steps: int, attn: str, pretrain_fraction: float,
+                     pool: Pool) -> tuple[float, float]:
     """(seconds of the first step, steady steps/s)."""
-    tokenizer = build_tokenizer()
-    cfg = model_config(family, tokenizer.get_vocab_size(), special_ids(tokenizer))
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     recipe = Recipe(steps=steps + 1, batch=batch, compute_dtype=dtype, attn_backend=attn,
                     pretrain_fraction=pretrain_fraction)
@@ -56,13 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     tokenizer = build_tokenizer()
     ids = special_ids(tokenizer)
+    cfg = model_config(args.family, tokenizer.get_vocab_size(), ids)
     pool = jax.device_put(build_pool(tokenizer, 4 * args.batch, args.seq_len, 0, Mixture(), ids["eos_token_id"],
                                      ids["pad_token_id"]))
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; {args.family}, batch {args.batch} x "
           f"{args.seq_len} tokens")
     for attn in args.attn.split(","):
         for fraction in [float(x) for x in args.pretrain_fraction.split(",")]:
-            first, rate = steps_per_second(args.family, args.batch, args.seq_len, args.steps, attn, fraction, pool)
+            first, rate = steps_per_second(cfg, args.batch, args.steps, attn, fraction, pool)
             print(f"attn {attn}, pretrain fraction {fraction}: first step {first:.1f}s, then {rate:.2f} steps/s")
     return 0
 
