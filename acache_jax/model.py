@@ -118,6 +118,7 @@ class Transformer(nnx.Module):
         with_logits: bool = True,
         attn_backend: str | None = None,
         probe: jax.Array | None = None,
+        one_hot_embed: bool = False,
     ) -> ForwardOutput:
         """Forward over the given tokens.
 
@@ -130,10 +131,17 @@ class Transformer(nnx.Module):
             off GPU) or "cudnn" (fused GPU kernel, bf16); default: pallas on a GPU, else xla.
         probe: [B, T] bool, the queries of ACache's anchor probe: the output's `probe` is then, per
         external key, their attention over the external keys alone, summed over layers and heads.
+        one_hot_embed: look the embeddings up as a one-hot matmul (same values). For training models
+        with small vocabularies: its gradient is a matmul, where the lookup's is a scatter-add that
+        serialises on repeated ids such as the mask id (a 7x slower training step on an H200).
         """
         if valid is None:
             valid = jnp.ones(token_ids.shape, bool)
-        x = jnp.take(self.embed[...], token_ids, axis=0)
+        table = self.embed[...]
+        if one_hot_embed:
+            x = jax.nn.one_hot(token_ids, table.shape[0], dtype=table.dtype) @ table
+        else:
+            x = jnp.take(table, token_ids, axis=0)
         ks, vs = [], []
         importance = None
         # A Python loop, unrolled under jit: a scan over stacked layers copies each layer's
@@ -208,4 +216,4 @@ class Model:
         return self.forward(token_ids.astype(jnp.int32), positions).logits
 
 
-_jit_forward = jax.jit(forward, static_argnums=0, static_argnames=("with_logits", "attn_backend"))
+_jit_forward = jax.jit(forward, static_argnums=0, static_argnames=("with_logits", "attn_backend", "one_hot_embed"))

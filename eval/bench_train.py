@@ -1,7 +1,7 @@
-"""Training-step throughput of `eval.train` per attention backend and share of pretraining rows.
+"""Training-step throughput of `eval.train` per attention backend, share of pretraining rows and embedding lookup.
 
 python -m eval.bench_train [--family llada] [--batch 256] [--seq-len 320] [--steps 50] [--attn xla,cudnn]
-    [--pretrain-fraction 0.5,0]
+    [--pretrain-fraction 0.5,0] [--embed one-hot,take]
 
 Times `train_step` (sizes `eval.train.SIZES`) on a small pool of real training sequences (the
 step's cost does not depend on the pool's size): the first call (compilation) and the steady
@@ -24,11 +24,11 @@ from eval.train_data import Mixture, Pool, build_pool
 
 
 def steps_per_second(cfg: ModelConfig, batch: int, steps: int, attn: str, pretrain_fraction: float,
-                     pool: Pool) -> tuple[float, float]:
+                     pool: Pool, one_hot_embed: bool = True) -> tuple[float, float]:
     """(seconds of the first step, steady steps/s)."""
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     recipe = Recipe(steps=steps + 1, batch=batch, compute_dtype=dtype, attn_backend=attn,
-                    pretrain_fraction=pretrain_fraction)
+                    pretrain_fraction=pretrain_fraction, one_hot_embed=one_hot_embed)
     graphdef, params = nnx.split(initial_model(cfg, recipe, 0))
     state = TrainState(params, optimizer(recipe).init(params), jnp.int32(0))
     key = jax.random.key(0)
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--attn", default="xla,cudnn", help="comma-separated backends")
     p.add_argument("--pretrain-fraction", default=str(Recipe.pretrain_fraction),
                    help="comma-separated shares of pretraining rows (whole sequence maskable)")
+    p.add_argument("--embed", default="one-hot", help="comma-separated embedding lookups: one-hot (the recipe's), take")
     args = p.parse_args(argv)
     tokenizer = build_tokenizer()
     ids = special_ids(tokenizer)
@@ -60,10 +61,15 @@ def main(argv: list[str] | None = None) -> int:
                                      ids["pad_token_id"]))
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; {args.family}, batch {args.batch} x "
           f"{args.seq_len} tokens")
+    lookups = args.embed.split(",")
+    if not set(lookups) <= {"one-hot", "take"}:
+        p.error(f"--embed takes one-hot and/or take, got {args.embed!r}")
     for attn in args.attn.split(","):
         for fraction in [float(x) for x in args.pretrain_fraction.split(",")]:
-            first, rate = steps_per_second(cfg, args.batch, args.steps, attn, fraction, pool)
-            print(f"attn {attn}, pretrain fraction {fraction}: first step {first:.1f}s, then {rate:.2f} steps/s")
+            for lookup in lookups:
+                first, rate = steps_per_second(cfg, args.batch, args.steps, attn, fraction, pool, lookup == "one-hot")
+                print(f"attn {attn}, pretrain fraction {fraction}, embedding {lookup}: first step {first:.1f}s, "
+                      f"then {rate:.2f} steps/s")
     return 0
 
 

@@ -81,6 +81,7 @@ class Recipe:
     gen_length: int = GEN_LENGTH
     compute_dtype: str = "bfloat16"
     attn_backend: str = "xla"
+    one_hot_embed: bool = True  # the lookup's scatter-add gradient made the GPU step 7x slower (docs/BENCHMARKS.md)
 
     @property
     def warmup_steps(self) -> int:
@@ -145,7 +146,7 @@ def diffusion_loss(params: nnx.State, graphdef: nnx.GraphDef, tokens: jax.Array,
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     compute = jax.tree.map(lambda p: p.astype(recipe.compute_dtype), params)
     logits = nnx.merge(graphdef, compute)(noisy, positions, valid=positions < length[:, None],
-                                          attn_backend=recipe.attn_backend).logits
+                                          attn_backend=recipe.attn_backend, one_hot_embed=recipe.one_hot_embed).logits
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
     per_row = jnp.sum(jnp.where(masked, ce / ratio[:, None], 0.0), axis=1) / jnp.sum(region, axis=1)
     return jnp.mean(per_row)

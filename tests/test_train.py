@@ -43,6 +43,23 @@ def test_initial_embeddings_share_one_direction():
     assert 1.5 * np.sqrt(cfg.hidden_size) < np.linalg.norm(offset[0]) < 2.5 * np.sqrt(cfg.hidden_size)
 
 
+def test_one_hot_embedding_has_the_lookups_values_and_gradients():
+    cfg = _tiny("dream")
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)))
+    ids = ids.at[:, 3:9].set(cfg.mask_token_id)  # repeated ids: where the lookup's scatter-add slows down
+    positions = jnp.broadcast_to(jnp.arange(12), ids.shape)
+
+    def loss(p, one_hot):
+        return jnp.sum(nnx.merge(graphdef, p)(ids, positions, one_hot_embed=one_hot).logits[..., :7] ** 2)
+
+    (plain, g_plain), (hot, g_hot) = (jax.value_and_grad(loss)(params, flag) for flag in (False, True))
+    np.testing.assert_allclose(hot, plain, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_hot), jax.tree.leaves(g_plain)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert float(jnp.abs(g_hot["embed"][...][cfg.mask_token_id]).sum()) > 0  # the repeated id's row is trained
+
+
 @pytest.fixture(scope="module")
 def pool():
     tok = build_tokenizer()
@@ -211,7 +228,8 @@ def test_bench_train_times_every_setting(capsys):
     from eval.bench_train import main
 
     assert main(["--batch", "2", "--seq-len", "64", "--steps", "1", "--attn", "xla",
-                 "--pretrain-fraction", "0.5,0"]) == 0
+                 "--pretrain-fraction", "0.5,0", "--embed", "one-hot,take"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("attn xla")]
-    assert [l.split(":")[0] for l in lines] == ["attn xla, pretrain fraction 0.5", "attn xla, pretrain fraction 0.0"]
+    assert [l.split(":")[0] for l in lines] == [f"attn xla, pretrain fraction {f}, embedding {e}"
+                                                for f in ("0.5", "0.0") for e in ("one-hot", "take")]
     assert all(float(l.split("then ")[1].split()[0]) > 0 for l in lines)
