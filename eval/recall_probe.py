@@ -2,6 +2,7 @@
 
 python -m eval.recall_probe [--pairs 2] [--steps 1400] [--net ours|abs|rope] [--shared-embedding 1.0]
     [--aux 0] [--gap 0]
+python -m eval.recall_probe --pairs 2,4,8 --steps 1600,1200,2400   # a curriculum: stages of 2, 4, 8 pairs
 
 Each sequence is `k1 v1 ... kP vP q [gap] [mask]`: P distinct keys with random values, one of the
 keys, `--gap` fixed filler tokens; the answer is the query's value. This is bAbI's "where is X"
@@ -19,8 +20,10 @@ answer accuracy every 200 steps (chance among the in-context values: 1/P).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -102,52 +105,62 @@ def reference(absolute: bool, length: int, seed: int = 0):
     return params, apply
 
 
-def train_recall(net: str, pairs: int, steps: int, shared_embedding: float = 1.0, batch: int = 64, lr: float = 1e-3,
-                 aux: float = 0.0, gap: int = 0, report=print) -> list[float]:
+def train_recall(net: str, pairs: int | Sequence[int], steps: int | Sequence[int], shared_embedding: float = 1.0,
+                 batch: int = 64, lr: float = 1e-3, aux: float = 0.0, gap: int = 0, report=print) -> list[float]:
     """Recall accuracy over each 200 steps (AdamW, b2 0.95, weight decay 0.1, fresh batches every step);
-    `aux`: rows of fixed-function pairs added per recall row, their loss added to the recall loss."""
-    params, apply = ours(shared_embedding) if net == "ours" else reference(net == "abs", 2 * pairs + 2 + gap)
+    `aux`: rows of fixed-function pairs added per recall row, their loss added to the recall loss.
+    pairs, steps: one number each, or a curriculum: `steps[i]` steps with `pairs[i]` pairs, in turn."""
+    pairs, steps = (tuple(int(x) for x in np.atleast_1d(v)) for v in (pairs, steps))
+    if len(pairs) != len(steps):
+        raise ValueError(f"a curriculum needs one step count per stage: pairs {pairs}, steps {steps}")
+    params, apply = ours(shared_embedding) if net == "ours" else reference(net == "abs", 2 * max(pairs) + 2 + gap)
     opt = optax.adamw(lr, b2=0.95, weight_decay=0.1)
     n_aux = round(aux * batch)
 
-    def loss(p, key):
-        tokens, answers = recall_batch(key, pairs, batch, gap)
+    def loss(p, key, n_pairs):
+        tokens, answers = recall_batch(key, n_pairs, batch, gap)
         logits = apply(p, tokens)[:, -1]
         total = optax.softmax_cross_entropy_with_integer_labels(logits, answers).mean()
         if n_aux:
-            tokens, column, values, query_values = aux_rows(tokens[:n_aux], jax.random.fold_in(key, 1), pairs)
+            tokens, column, values, query_values = aux_rows(tokens[:n_aux], jax.random.fold_in(key, 1), n_pairs)
             aux_logits = apply(p, tokens)
             masked_value = jnp.take_along_axis(aux_logits, column[:, None, None], 1)[:, 0]
             total += optax.softmax_cross_entropy_with_integer_labels(masked_value, values).mean()
             total += optax.softmax_cross_entropy_with_integer_labels(aux_logits[:, -1], query_values).mean()
         return total, jnp.argmax(logits, -1) == answers
 
-    @jax.jit
-    def step(p, state, i):
-        (_, correct), grads = jax.value_and_grad(loss, has_aux=True)(p, jax.random.key(i))
+    @functools.partial(jax.jit, static_argnums=3)
+    def step(p, state, i, n_pairs):
+        (_, correct), grads = jax.value_and_grad(loss, has_aux=True)(p, jax.random.key(i), n_pairs)
         updates, state = opt.update(grads, state, p)
         return optax.apply_updates(p, updates), state, jnp.mean(correct)
 
-    state, correct, curve, start = opt.init(params), [], [], time.perf_counter()
-    for i in range(steps):
-        params, state, acc = step(params, state, i)
-        correct.append(acc)
-        if (i + 1) % 200 == 0:
-            curve.append(float(np.mean(jax.device_get(correct[-200:]))))
-            report(f"{net} pairs {pairs} step {i + 1}: accuracy {curve[-1]:.3f} ({time.perf_counter() - start:.0f}s)")
+    state, correct, curve, start, i = opt.init(params), [], [], time.perf_counter(), 0
+    for n_pairs, n_steps in zip(pairs, steps):
+        for _ in range(n_steps):
+            params, state, acc = step(params, state, i, n_pairs)
+            correct.append(acc)
+            i += 1
+            if i % 200 == 0:
+                curve.append(float(np.mean(jax.device_get(correct[-200:]))))
+                report(f"{net} pairs {n_pairs} step {i}: accuracy {curve[-1]:.3f} ({time.perf_counter() - start:.0f}s)")
     return curve
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.recall_probe", description=__doc__.splitlines()[0])
     p.add_argument("--net", choices=["ours", "abs", "rope"], default="ours")
-    p.add_argument("--pairs", type=int, default=2)
-    p.add_argument("--steps", type=int, default=1400)
+    p.add_argument("--pairs", default="2", help="key-value pairs; comma-separated for a curriculum (2,4,8)")
+    p.add_argument("--steps", default="1400", help="steps; comma-separated, one per curriculum stage")
     p.add_argument("--shared-embedding", type=float, default=1.0, help="for --net ours (0: plain init)")
     p.add_argument("--aux", type=float, default=0.0, help="fixed-function rows per recall row (0: none)")
     p.add_argument("--gap", type=int, default=0, help="filler tokens between the query and its mask")
     args = p.parse_args(argv)
-    train_recall(args.net, args.pairs, args.steps, args.shared_embedding, aux=args.aux, gap=args.gap)
+    pairs, steps = ([int(x) for x in v.split(",")] for v in (args.pairs, args.steps))
+    try:
+        train_recall(args.net, pairs, steps, args.shared_embedding, aux=args.aux, gap=args.gap)
+    except ValueError as e:
+        p.error(str(e))
     return 0
 
 

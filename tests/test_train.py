@@ -215,6 +215,16 @@ def test_recall_probe_aux_rows_mask_one_fixed_value():
     assert len(train_recall("ours", pairs=2, steps=200, batch=8, aux=0.5, gap=1, report=lambda _: None)) == 1
 
 
+def test_recall_probe_curriculum_runs_its_stages_in_turn():
+    from eval.recall_probe import train_recall
+
+    lines = []
+    curve = train_recall("abs", pairs=[2, 3], steps=[200, 200], batch=4, report=lines.append)
+    assert len(curve) == 2 and [l.split(" step")[0] for l in lines] == ["abs pairs 2", "abs pairs 3"]
+    with pytest.raises(ValueError, match="one step count per stage"):
+        train_recall("abs", pairs=[2, 3], steps=[200], report=lambda _: None)
+
+
 def test_mixture_from_the_command_line():
     from eval.train import parse_mixture
 
