@@ -27,8 +27,8 @@ from acache_jax.decode import CACHE_POLICIES, DecodeConfig, DecodeError, generat
 from acache_jax.engine import Engine
 from acache_jax.layout import AFFIX_POSITIONS, Request, RequestError
 
-# Where a shipped default model would live; used when --model is not given.
-DEFAULT_MODEL = Path(__file__).resolve().parent / "default_model"
+# The shipped LLaDA-architecture model (acache_jax/models/README.md); used when --model is not given.
+DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "llada-small"
 STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 # Per-request keys of --input lines that map onto DecodeConfig fields.
 DECODE_KEYS = {"gen_length", "block_length", "steps", "threshold", "factor", "temperature", "cache",
