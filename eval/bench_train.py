@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated shares of pretraining rows (whole sequence maskable)")
     p.add_argument("--embed", default="one-hot", help="comma-separated embedding lookups: one-hot (the recipe's), take")
     args = p.parse_args(argv)
+    lookups = args.embed.split(",")
+    if not set(lookups) <= {"one-hot", "take"}:
+        p.error(f"--embed takes one-hot and/or take, got {args.embed!r}")
     tokenizer = build_tokenizer()
     ids = special_ids(tokenizer)
     cfg = model_config(args.family, tokenizer.get_vocab_size(), ids)
@@ -61,9 +64,6 @@ def main(argv: list[str] | None = None) -> int:
                                      ids["pad_token_id"]))
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; {args.family}, batch {args.batch} x "
           f"{args.seq_len} tokens")
-    lookups = args.embed.split(",")
-    if not set(lookups) <= {"one-hot", "take"}:
-        p.error(f"--embed takes one-hot and/or take, got {args.embed!r}")
     for attn in args.attn.split(","):
         for fraction in [float(x) for x in args.pretrain_fraction.split(",")]:
             for lookup in lookups:
