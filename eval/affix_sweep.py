@@ -2,12 +2,16 @@
 
     python -m eval.affix_sweep --models DIR[,DIR] [--tasks babi,arithmetic,codebook] [-n 128] --out DIR
     python -m eval.affix_sweep --merge OUT1,OUT2,... --out DIR   # shards run in parallel processes
+    python -m eval.affix_sweep --models ... --out DIR --resume     # measure only what DIR lacks
+    python -m eval.affix_sweep --models ... --tasks codebook --worlds 8 -n 32 --out DIR
 
 Per model, task, placement and shots, every policy decodes the same held-out questions with the
 same shared few-shot affix (full recompute = the dual cache, which recomputes the affix in place):
 - ACache at each `--ratios` value with the attention selector and KeepNA (ratio 0 = direct reuse);
 - at `--ablation-ratio`: DropNA (non-anchor affix K/V dropped) and the hkvd selector;
 - per task, the accuracy without any affix.
+With --worlds W each accuracy is the mean over W worlds (seeds seed..seed+W-1, each with its own
+affix and n questions): a world's codebook has only four words, so it asks only four questions.
 Writes OUT/sweep.json, OUT/fig4_ratio.png (accuracy vs ratio per placement), OUT/fig5_selectors.png
 (attention vs hkvd), OUT/fig7_dropna.png (KeepNA vs DropNA) and OUT/RESULTS_table.md: per placement,
 direct / ablation ratio / full recompute and the fraction of the gap the ablation ratio recovers.
@@ -45,30 +49,32 @@ def settings(ratios: list[float], ablation: float) -> dict[str, Any]:
 
 
 def sweep(model_dirs: list[Path], tasks: list[str], placements: list[str], shots: list[int], ratios: list[float],
-          ablation: float, n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
-    """One row per (model, task, placement, shots, policy), as each is measured."""
+          ablation: float, n: int, seed: int = 0, done: frozenset[tuple] = frozenset(),
+          worlds: int = 1) -> Iterator[dict[str, Any]]:
+    """One row per (model, task, placement, shots, policy) not in `done`, as each is measured."""
     for model_dir in model_dirs:
         model = load(model_dir)
         for task in tasks:
-            acc = accuracy(model, task, "none", 0, n, seed, FULL_RECOMPUTE)
-            yield dict(model=model_dir.name, task=task, placement="none", shots=0, policy="full", accuracy=acc)
-            for placement in placements:
-                for k in shots:
-                    for policy, overrides in settings(ratios, ablation).items():
-                        config = dataclasses.replace(FULL_RECOMPUTE, **overrides)
-                        acc = accuracy(model, task, placement, k, n, seed, config)
-                        yield dict(model=model_dir.name, task=task, placement=placement, shots=k, policy=policy,
-                                   accuracy=acc)
+            grid = [("none", 0, "full", FULL_RECOMPUTE)]
+            grid += [(placement, k, policy, dataclasses.replace(FULL_RECOMPUTE, **overrides))
+                     for placement in placements for k in shots
+                     for policy, overrides in settings(ratios, ablation).items()]
+            for placement, k, policy, config in grid:
+                row = dict(model=model_dir.name, task=task, placement=placement, shots=k, policy=policy)
+                if _key(row) not in done:
+                    acc = [accuracy(model, task, placement, k, n, seed + w, config) for w in range(worlds)]
+                    yield row | dict(accuracy=sum(acc) / worlds)
 
 
-def merge(paths: list[Path], ratios: list[float], n: int, seed: int) -> list[dict[str, Any]]:
-    """The rows of several shards' sweep.json (run with the same ratios, n and seed), each setting once."""
+def merge(paths: list[Path], ratios: list[float], n: int, seed: int, worlds: int = 1) -> list[dict[str, Any]]:
+    """The rows of several shards' sweep.json (run with the same ratios, n, seed and worlds), each setting once."""
     rows: dict[tuple, dict[str, Any]] = {}
     for path in paths:
         shard = json.loads(path.read_text())
-        if (shard["ratios"], shard["n"], shard["seed"]) != (ratios, n, seed):
+        if (shard["ratios"], shard["n"], shard["seed"], shard.get("worlds", 1)) != (ratios, n, seed, worlds):
             raise SystemExit(f"error: {path} was run with ratios {shard['ratios']}, n {shard['n']}, seed "
-                             f"{shard['seed']}; merging needs the same --ratios, -n and --seed")
+                             f"{shard['seed']}, worlds {shard.get('worlds', 1)}; merging needs the same --ratios, "
+                             "-n, --seed and --worlds")
         for r in shard["rows"]:
             rows.setdefault(_key(r), r)
     return list(rows.values())
@@ -149,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablation-ratio", type=float, default=0.2)
     p.add_argument("-n", type=int, default=128, help="questions per setting")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--worlds", type=int, default=1, help="average each accuracy over this many worlds (seeds)")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--resume", action="store_true", help="keep the rows of OUT/sweep.json (same --ratios, -n, "
+                   "--seed) and measure only the rest")
     args = p.parse_args(argv)
     ratios = [float(r) for r in args.ratios.split(",")]
     if 0.0 not in ratios:
@@ -159,14 +168,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give either --models or --merge")
     args.out.mkdir(parents=True, exist_ok=True)
     write = lambda rows: (args.out / "sweep.json").write_text(
-        json.dumps(dict(ratios=ratios, n=args.n, seed=args.seed, rows=rows), indent=1))
+        json.dumps(dict(ratios=ratios, n=args.n, seed=args.seed, worlds=args.worlds, rows=rows), indent=1))
     if args.merge:
-        rows = merge([Path(d) / "sweep.json" for d in args.merge.split(",")], ratios, args.n, args.seed)
+        rows = merge([Path(d) / "sweep.json" for d in args.merge.split(",")], ratios, args.n, args.seed, args.worlds)
     else:  # written after every row, so a run that is stopped keeps what it measured
-        rows = []
+        rows = merge([args.out / "sweep.json"], ratios, args.n, args.seed, args.worlds) if args.resume and (
+            args.out / "sweep.json").is_file() else []
         for row in sweep([Path(m) for m in args.models.split(",")], args.tasks.split(","),
                          args.placements.split(","), [int(k) for k in args.shots.split(",")], ratios,
-                         args.ablation_ratio, args.n, args.seed):
+                         args.ablation_ratio, args.n, args.seed, frozenset(map(_key, rows)), args.worlds):
             rows.append(row)
             print(json.dumps(row), flush=True)
             write(rows)

@@ -1,6 +1,7 @@
 """Train a small LLaDA- or Dream-architecture diffusion model on the task mixture, then export it.
 
 python -m eval.train --family llada|dream --out DIR [--steps N --batch B --seed S --tiny --plot]
+python -m eval.train --family llada|dream --out DIR --init MODEL_DIR ...   # fine-tune an exported model
 
 Objective (masked diffusion, LLaDA's SFT form mixed with its pretraining form): per sequence a mask
 ratio t ~ U(eps, 1), drawn stratified over the batch to lower the variance; in SFT rows every token
@@ -118,6 +119,19 @@ def initial_model(cfg: ModelConfig, recipe: Recipe, seed: int) -> Transformer:
     return model
 
 
+def starting_point(cfg: ModelConfig, recipe: Recipe, seed: int,
+                   init: str | Path | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, float32 params) of a fresh network, or of the exported model in `init` (fine-tuning)."""
+    if init is None:
+        return nnx.split(initial_model(cfg, recipe, seed))
+    from acache_jax.checkpoint import load
+
+    model = load(init, "float32")
+    if model.config != cfg:
+        raise ValueError(f"{init} holds another architecture than this run's: {model.config} vs {cfg}")
+    return model.graphdef, model.params
+
+
 def corrupt(tokens: jax.Array, gen_start: jax.Array, length: jax.Array, key: jax.Array, mask_id: int,
             recipe: Recipe) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The forward process: (noisy tokens [B, T], maskable region [B, T], masked [B, T], mask ratio [B]).
@@ -188,8 +202,12 @@ def _settings(out: Path, settings: dict) -> None:
 def train(family: str, out: str | Path, recipe: Recipe = Recipe(), *, seed: int = 0, tiny: bool = False,
           mixture: Mixture = Mixture(), seq_len: int = 320, pool_size: int | None = None, workers: int = 1,
           ckpt_dir: str | Path | None = None, ckpt_every: int = 500, log_every: int = 50,
-          progress: bool = True, max_seconds: float | None = None) -> tuple[ModelConfig, nnx.State]:
+          progress: bool = True, max_seconds: float | None = None,
+          init: str | Path | None = None) -> tuple[ModelConfig, nnx.State]:
     """Train (or resume) and export into `out`; returns the config and the float32 parameters.
+
+    init: start from this exported model's weights (same family and size) instead of a random
+    network; the optimiser and its schedule start afresh.
 
     max_seconds: stop early once the loop has run this long (checkpoint and export what there is;
     the same command resumes), so a run on a lent machine always leaves a model behind.
@@ -201,7 +219,8 @@ def train(family: str, out: str | Path, recipe: Recipe = Recipe(), *, seed: int 
     out.mkdir(parents=True, exist_ok=True)
     pool_size = pool_size or min(recipe.steps * recipe.batch, 1 << 20)
     _settings(out, {"family": family, "recipe": dataclasses.asdict(recipe), "seed": seed, "tiny": tiny,
-                    "mixture": dataclasses.asdict(mixture), "seq_len": seq_len, "pool_size": pool_size})
+                    "mixture": dataclasses.asdict(mixture), "seq_len": seq_len, "pool_size": pool_size,
+                    "init": None if init is None else str(init)})
     tokenizer = build_tokenizer()
     save_tokenizer(tokenizer, out)
     ids = special_ids(tokenizer)
@@ -212,7 +231,7 @@ def train(family: str, out: str | Path, recipe: Recipe = Recipe(), *, seed: int 
     print(f"{family}: {cfg.num_params / 1e6:.2f}M parameters; pool of {pool_size} sequences x {seq_len} tokens "
           f"built in {time.perf_counter() - start_time:.0f}s", file=sys.stderr)
 
-    graphdef, params = nnx.split(initial_model(cfg, recipe, seed))
+    graphdef, params = starting_point(cfg, recipe, seed, init)
     state = TrainState(params, optimizer(recipe).init(params), jnp.int32(0))
     manager = ocp.CheckpointManager(Path(ckpt_dir or out / "checkpoints").absolute(),
                                     options=ocp.CheckpointManagerOptions(max_to_keep=2))
@@ -276,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="scale of the random direction shared by every initial token embedding (0: plain init)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a small model for CPU smoke runs")
+    p.add_argument("--init", type=Path, help="fine-tune: start from this exported model (same --family and size)")
     p.add_argument("--tasks", default=",".join(Mixture.tasks), help="comma-separated training tasks")
     p.add_argument("--weights", help="comma-separated sampling weights, one per task (default: "
                    f"{dict(zip(Mixture.tasks, Mixture.weights))}, 1 for other tasks)")
@@ -303,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
                     attn_backend=args.attn)
     train(args.family, args.out, recipe, seed=args.seed, tiny=args.tiny, mixture=mixture, seq_len=args.seq_len,
           pool_size=args.pool, workers=args.workers, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
-          log_every=args.log_every, max_seconds=args.max_seconds)
+          log_every=args.log_every, max_seconds=args.max_seconds, init=args.init)
     if args.plot:
         from eval.plot_losses import plot_losses
 

@@ -8,6 +8,7 @@ from flax import nnx
 
 from acache_jax.model import Transformer
 from convert.export_hf import export_hf
+from eval import affix_sweep
 from eval.affix_sweep import main
 from eval.tokenizer import build_tokenizer, save_tokenizer, special_ids
 from eval.train import model_config
@@ -34,6 +35,16 @@ def test_sweep_smoke(tmp_path):
     for name in ("fig4_ratio.png", "fig5_selectors.png", "fig7_dropna.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
 
+    # --resume measures only the missing rows: a dropped row comes back, a kept one is not measured again
+    stored = json.loads((out / "sweep.json").read_text())
+    dropped, kept = stored["rows"].pop(), stored["rows"][0]
+    kept["accuracy"] = 0.123
+    (out / "sweep.json").write_text(json.dumps(stored))
+    assert main(["--models", str(model_dir), "--tasks", "codebook", "--placements", "prefix,suffix", "--shots", "1",
+                 "--ratios", "0,1", "-n", "4", "--out", str(out), "--resume", "--no-plots"]) == 0
+    resumed = json.loads((out / "sweep.json").read_text())["rows"]
+    assert len(resumed) == len(rows) and resumed[0]["accuracy"] == 0.123 and resumed[-1] == dropped
+
 
 def test_merge_combines_shards_and_checks_settings(tmp_path):
     def shard(name, rows, n=4):
@@ -57,3 +68,18 @@ def test_merge_combines_shards_and_checks_settings(tmp_path):
     shard("c", [], n=8)
     with pytest.raises(SystemExit, match="same --ratios"):
         main(["--merge", str(tmp_path / "c"), "--ratios", "0,1", "-n", "4", "--out", str(out)])
+
+
+def test_worlds_average_each_setting_over_consecutive_seeds(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_accuracy(model, task, placement, shots, n, seed, config):
+        calls.append(seed)
+        return seed / 10
+
+    monkeypatch.setattr(affix_sweep, "accuracy", fake_accuracy)
+    monkeypatch.setattr(affix_sweep, "load", lambda path: None)
+    rows = list(affix_sweep.sweep([tmp_path / "m"], ["codebook"], ["prefix"], [1], [0.0], 0.2, n=4, seed=3, worlds=2))
+    assert len(rows) == 1 + 4  # no affix; full, acache@0, dropna, hkvd
+    assert all(r["accuracy"] == pytest.approx(0.35) for r in rows)  # mean of seeds 3 and 4
+    assert calls == [3, 4] * 5

@@ -1,5 +1,6 @@
 """The models shipped in acache_jax/models: their HF files, held-out accuracy, and the CLI default."""
 
+import functools
 import json
 import subprocess
 import sys
@@ -11,12 +12,18 @@ from safetensors import safe_open
 import acache_jax
 from acache_jax.generate import DEFAULT_MODEL
 from eval.accuracy import accuracy
+from eval.anchor_analysis import analyse
 from eval.tokenizer import build_tokenizer
 from eval.train import model_config
 from tests.hf_checkpoints import hf_shapes
 
 MODELS = Path(acache_jax.__file__).resolve().parent / "models"
 FAMILY = {"llada-small": "llada", "dream-small": "dream"}
+
+
+@functools.cache
+def shipped(name: str) -> acache_jax.Model:
+    return acache_jax.load(MODELS / name)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY))
@@ -29,7 +36,7 @@ def test_files_are_the_familys_hf_layout_and_small(name):
     assert (directory / "model.safetensors").stat().st_size <= 10e6
     tokenizer = build_tokenizer()  # the shipped tokenizer is the one the tasks build
     assert json.loads((directory / "tokenizer.json").read_text())["model"]["vocab"] == tokenizer.get_vocab()
-    model = acache_jax.load(directory)
+    model = shipped(name)
     assert model.config == model_config(FAMILY[name], tokenizer.get_vocab_size(), {
         k: getattr(model.config, k) for k in ("mask_token_id", "eos_token_id", "pad_token_id")})
 
@@ -37,7 +44,14 @@ def test_files_are_the_familys_hf_layout_and_small(name):
 @pytest.mark.parametrize("name", sorted(FAMILY))
 def test_held_out_babi_accuracy_is_at_least_ninety_percent(name):
     """A CPU-sized sample of the acceptance measurement (docs/TRAINING.md has n = 256)."""
-    assert accuracy(acache_jax.load(MODELS / name), "babi", "none", 0, n=48) >= 0.9
+    assert accuracy(shipped(name), "babi", "none", 0, n=48) >= 0.9
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_the_few_shot_affix_answers_the_codebook_task(name):
+    """Only the examples show the codebook: without them the answer is a guess (docs/RESULTS.md)."""
+    assert accuracy(shipped(name), "codebook", "none", 0, n=32) <= 0.25
+    assert accuracy(shipped(name), "codebook", "prefix", 1, n=32) >= 0.5
 
 
 def test_generate_uses_the_shipped_llada_model_by_default():
@@ -48,3 +62,11 @@ def test_generate_uses_the_shipped_llada_model_by_default():
                           "--json"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["text"].strip() == "garden"
+
+
+def test_anchor_analysis_finds_the_asked_binding_by_kv_deviation():
+    """docs/RESULTS.md: dream-small's asked binding is where its K/V change in context."""
+    row = analyse(shipped("dream-small"), "prefix", 1, n=16, ratio=0.2)
+    assert row["anchors"] == 7 and row["affix_len"] == 34
+    assert row["hkvd"]["colour_in_anchors"] == 1.0
+    assert row["attention"]["colour_in_anchors"] < 0.5

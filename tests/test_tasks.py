@@ -9,6 +9,7 @@ from acache_jax.layout import Request
 from eval.tasks import MAX_SHOTS, TASKS, eval_split, get_task
 from eval.tasks.babi import binding_stories
 from eval.tasks.base import answer_number, exact_match
+from eval.tasks.codebook import CODE_SIZE
 from eval.tasks.layouts import (ASSISTANT, END, GEN_LENGTH, PLACEMENTS, USER, affix_ids, affix_text, encoder, request,
                                 target_ids)
 from eval.tasks.loaders import LOADERS, load_babilong, load_gsm8k, load_mbpp
@@ -88,17 +89,21 @@ def test_arithmetic_answers_follow_their_equations():
     assert answer_number("The answer is 1,234") == 1234 and answer_number("no answer") is None
 
 
-def test_codebook_examples_share_one_codebook_that_the_answer_needs():
-    world = TASKS["codebook"].generate(np.random.default_rng(0), 3)
-
+def test_codebook_shots_reveal_the_codebook_that_questions_ask_about():
     def book(ex):
         words = ex.answer.replace(".", "").split()  # "dax means red. wug means blue. ..."
+        assert ex.question.split()[1:] == words[0::3]  # decoded in the order asked
         return set(zip(words[0::3], words[2::3]))
 
-    assert book(world[0]) == book(world[1]) == book(world[2])  # one codebook per world
-    assert [ex.question for ex in world] != [world[0].question] * 3  # decoded in different orders
-    other = TASKS["codebook"].generate(np.random.default_rng(1), 1)[0]
-    assert book(other) != book(world[0])  # a new world, a new codebook
+    *shots, question = TASKS["codebook"].generate(np.random.default_rng(0), MAX_SHOTS + 1)
+    assert book(shots[0]) == book(shots[1]) and len(book(shots[0])) == CODE_SIZE  # one codebook per world
+    assert shots[0].question != shots[1].question  # in another order
+    assert len(book(question)) == 1 and book(question) <= book(shots[0])  # one word, answered by any shot
+    eval_shots, questions = eval_split(TASKS["codebook"], 0, 64)
+    assert set().union(*map(book, questions)) == book(eval_shots[0])  # every word asked, each in the shot
+    assert len(TASKS["codebook"].generate(np.random.default_rng(0), 1)[0].question.split()) == 2  # no shot
+    other = TASKS["codebook"].generate(np.random.default_rng(1), 2)[0]
+    assert book(other) != book(shots[0])  # a new world, a new codebook
     assert get_task("codebook").needs_affix
 
 

@@ -16,8 +16,8 @@ from acache_jax.model import Model, Transformer
 from convert.export_hf import export_hf, hf_config
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.plot_losses import plot_losses
-from eval.train import (SIZES, Recipe, TrainState, corrupt, initial_model, model_config, optimizer, train,
-                        train_step)
+from eval.train import (SIZES, Recipe, TrainState, corrupt, initial_model, model_config, optimizer,
+                        starting_point, train, train_step)
 from eval.train_data import Mixture, build_pool
 from tests.hf_checkpoints import hf_shapes
 
@@ -147,6 +147,20 @@ def test_resume_continues_as_if_uninterrupted(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_fine_tuning_starts_from_the_exported_weights(tmp_path):
+    recipe = Recipe(steps=2, batch=4, warmup=0, compute_dtype="float32")
+    kwargs = dict(tiny=True, mixture=SMALL, seq_len=128, pool_size=8, log_every=1, progress=False)
+    cfg, _ = train("llada", tmp_path / "base", recipe, **kwargs)
+    exported = acache_jax.load(tmp_path / "base", "float32").params
+    _, start = starting_point(cfg, recipe, seed=5, init=tmp_path / "base")  # the seed no longer matters
+    jax.tree.map(np.testing.assert_array_equal, start, exported)
+    _, tuned = train("llada", tmp_path / "tuned", recipe, init=tmp_path / "base", **kwargs)
+    assert json.loads((tmp_path / "tuned" / "run.json").read_text())["init"] == str(tmp_path / "base")
+    assert not all(jax.tree.leaves(jax.tree.map(np.array_equal, tuned, exported)))  # it trained
+    with pytest.raises(ValueError, match="another architecture"):
+        train("dream", tmp_path / "wrong", recipe, init=tmp_path / "base", **kwargs)
+
+
 @pytest.mark.parametrize("family", ["llada", "dream"])
 def test_export_round_trips_logits(family, tmp_path):
     cfg = _tiny(family)
@@ -237,7 +251,7 @@ def test_mixture_from_the_command_line():
 def test_bench_train_times_every_setting(capsys):
     from eval.bench_train import main
 
-    assert main(["--batch", "2", "--seq-len", "64", "--steps", "1", "--attn", "xla",
+    assert main(["--batch", "2", "--seq-len", "128", "--steps", "1", "--attn", "xla",
                  "--pretrain-fraction", "0.5,0", "--embed", "one-hot,take"]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("attn xla")]
     assert [l.split(":")[0] for l in lines] == [f"attn xla, pretrain fraction {f}, embedding {e}"

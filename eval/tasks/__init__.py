@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from eval.tasks import arithmetic, babi, codebook
-from eval.tasks.base import Example, Prompt, Task
+from eval.tasks.base import MAX_SHOTS, Example, Prompt, Task
 
 TASKS: dict[str, Task] = {task.name: task for task in (babi.TASK, babi.ROUTINE_TASK, arithmetic.TASK, codebook.TASK)}
 STUDY_TASKS = ("babi", "arithmetic", "codebook")  # what evaluations report by default; routine only trains
-MAX_SHOTS = 2
 _EVAL_STREAM = 1  # training draws from other seed streams (eval/train_data.py), so questions are held out
 
 

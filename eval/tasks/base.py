@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+MAX_SHOTS = 2  # few-shot examples a world's evaluation uses as its affix (its first examples)
+
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
