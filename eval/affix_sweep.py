@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--resume", action="store_true", help="keep the rows of OUT/sweep.json (same --ratios, -n, "
-                   "--seed) and measure only the rest")
+                   "--seed, --worlds) and measure only the rest")
     args = p.parse_args(argv)
     ratios = [float(r) for r in args.ratios.split(",")]
     if 0.0 not in ratios:

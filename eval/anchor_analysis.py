@@ -45,15 +45,17 @@ def analyse(model: Model, placement: str, shots: int, n: int, ratio: float, seed
     scores = {"attention": probe_importance(model.graphdef, model.params, batch, cache, model.config.mask_token_id),
               "hkvd": hkvd_deviation(model.graphdef, model.params, batch, cache)}
     k = anchor_count(ratio, len(affix))
-    means = encode("means")[0]
+    bindings = []  # per question: where the asked binding starts in the affix (once per shot)
+    for q in questions:
+        code, _, colour = words(q.answer)
+        starts = _binding_starts(affix, encode(code)[0], encode("means")[0])
+        assert starts and all(affix[i + 2] == encode(colour)[0] for i in starts), "the shots hold the answer"
+        bindings.append(starts)
     row: dict[str, Any] = dict(placement=placement, shots=shots, n=n, affix_len=len(affix), anchors=k)
     for name, score in scores.items():
         score = np.asarray(score, np.float64)[:n]
         colour_hits, binding_hits, shares = [], [], []
-        for q, s in zip(questions, score):
-            code, _, colour = words(q.answer)
-            starts = _binding_starts(affix, encode(code)[0], means)
-            assert starts and all(affix[i + 2] == encode(colour)[0] for i in starts), "the shots hold the answer"
+        for starts, s in zip(bindings, score):
             anchors = set(np.argsort(-s, kind="stable")[:k].tolist())
             colour_hits.append(any(i + 2 in anchors for i in starts))
             binding_hits.append(any(i + j in anchors for i in starts for j in range(BINDING)))
