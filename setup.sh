@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv with a Python >= 3.12 (JAX needs it) and install acache-jax with its test extras.
+# Create .venv with a Python >= 3.12 (JAX needs it) and install acache-jax with its test extras,
+# at the versions pinned in constraints.txt.
 # Set PYTHON=/path/to/python3.12 to choose the interpreter yourself.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -28,8 +29,9 @@ if [ ! -x .venv/bin/python ] || ! is_new_enough .venv/bin/python; then
   rm -rf .venv
   "$py" -m venv .venv
 fi
-if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ]; then
+if [ ! -f .venv/.installed ] || [ pyproject.toml -nt .venv/.installed ] || [ constraints.txt -nt .venv/.installed ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  # Pinned versions (constraints.txt): CI and every set-up get the environment the suite was run in.
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
   touch .venv/.installed
 fi

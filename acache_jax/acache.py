@@ -14,7 +14,6 @@ reading the other affix K/V from the shared cache (see decode.py).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Literal
 
 import jax
@@ -22,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from acache_jax.attention import KVView
-from acache_jax.layout import Batch, RequestError
+from acache_jax.config import SELECTORS
+from acache_jax.layout import Batch, RequestError, affix_token_ids
 from acache_jax.model import Model
 
 Selector = Literal["attention", "hkvd", "random", "bottom"]
-SELECTORS = ("attention", "hkvd", "random", "bottom")
 
 
 @jax.tree_util.register_dataclass
@@ -51,7 +50,7 @@ class AffixCache:
 
 def build_affix_cache(model: Model, affix_ids) -> AffixCache:
     """Run the affix alone (positions 0..L-1) once; the result serves any number of requests."""
-    ids = [int(t) for t in affix_ids]
+    ids = affix_token_ids(affix_ids)
     if not ids:
         raise RequestError("the affix is empty")
     if len(ids) > model.config.max_seq_len:
@@ -68,13 +67,6 @@ def check_affix_cache(model: Model, affix: AffixCache) -> None:
     if affix.model_fingerprint != model.fingerprint:
         raise RequestError("this affix cache was built with another model (or other weights); rebuild it with "
                            "build_affix_cache(model, affix_ids)")
-
-
-def anchor_count(ratio: float, affix_len: int) -> int:
-    """K = min(ceil(ratio * L), L)."""
-    if not 0.0 <= ratio <= 1.0:
-        raise RequestError(f"anchor ratio must be in [0, 1], got {ratio}")
-    return min(math.ceil(ratio * affix_len), affix_len)
 
 
 def _non_affix_view(batch: Batch):

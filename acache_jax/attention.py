@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from acache_jax.config import ATTENTION_BACKENDS
 from pallas_kernels import anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
 
 # Finite stand-in for -inf: a query whose keys are all invalid (a padding row) yields a uniform
@@ -45,9 +46,6 @@ class KVView:
         """This layer's keys and values as [B, N, kv_heads, head_dim]."""
         k, v = self.k[layer], self.v[layer]
         return (k, v) if self.slots is None else (k[self.slots], v[self.slots])
-
-
-ATTENTION_BACKENDS = ("xla", "cudnn", "pallas")
 
 
 def default_backend(head_dim: int) -> str:

@@ -1,8 +1,10 @@
 """Our checkpoint format and `load`, which accepts it or an HF snapshot directory.
 
 A converted checkpoint is a directory holding the HF `config.json` (the single source of the model
-config), `acache.json` (format marker and dtype), `params/` (orbax-checkpoint) and the tokenizer files.
-It is written to a sibling temporary directory and renamed into place, so a failed write leaves nothing.
+config), `acache.json` (format marker and dtype), `params/` (orbax-checkpoint), the tokenizer files
+and `generation_config.json`. It is written to a hidden sibling directory renamed into place, so a
+failed or interrupted write leaves nothing at the destination; a later write removes what an
+interrupted one left beside it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,16 +22,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from acache_jax.config import ModelConfig
+from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
+from acache_jax.files import partial_name, remove_stale_partials
+from acache_jax.hf_checkpoint import NUMPY_DTYPES, CheckpointError, iter_params
 from acache_jax.model import Model, abstract_transformer
+from acache_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 FORMAT_FILE = "acache.json"
 FORMAT_VERSION = 1
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
-    "generation_config.json",
-)
+CARRIED_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG_FILE)  # copied as they are into a converted checkpoint
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -77,7 +78,9 @@ def save(
     dst = Path(dst).absolute()
     check_destination(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:8]}"
+    for leftover in remove_stale_partials(dst):
+        print(f"removed {leftover.name}, left beside {dst.name} by an interrupted write", file=sys.stderr)
+    tmp = partial_name(dst)
     tmp.mkdir()
     try:
         # Leaves as jax arrays (orbax stages a copy of numpy leaves), written uncompressed and at
@@ -87,9 +90,11 @@ def save(
         ocp.Checkpointer(handler).save(tmp / "params", args=ocp.args.PyTreeSave(tree))
         del tree
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        (tmp / FORMAT_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "dtype": _dtype_name(dtype)}))
+        files = {str(f.relative_to(tmp)): f.stat().st_size for f in sorted((tmp / "params").rglob("*")) if f.is_file()}
+        (tmp / FORMAT_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "dtype": _dtype_name(dtype),
+                                                   "files": files}))
         if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
+            for name in CARRIED_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
         check_destination(dst)
@@ -105,12 +110,28 @@ def save(
 def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None) -> dict:
     import orbax.checkpoint as ocp
 
-    stored = json.loads((path / FORMAT_FILE).read_text())["dtype"]
+    marker = read_json(path / FORMAT_FILE)
+    marker = marker if isinstance(marker, dict) else {}
+    stored = marker.get("dtype")
+    if stored not in DTYPES:
+        raise CheckpointError(f"{path / FORMAT_FILE} names no known dtype ({sorted(DTYPES)}): {stored!r}")
     dtype = DTYPES[_dtype_name(stored if dtype is None else dtype)]
     _, abstract = nnx.split(abstract_transformer(cfg, DTYPES[stored]))
     target = _nest(_flatten(nnx.to_pure_dict(abstract)))
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
-    tree = ocp.StandardCheckpointer().restore(path / "params", target)
+    # The files the write left (sizes recorded in acache.json): a damaged directory is named here,
+    # before orbax, whose failures come as pages of TensorStore text and event-loop tracebacks.
+    damaged = [name for name, size in marker.get("files", {}).items()
+               if not (path / name).is_file() or (path / name).stat().st_size != size]
+    if damaged or not (path / "params").is_dir():
+        raise CheckpointError(f"{path} is damaged: {len(damaged) or 'all'} parameter files missing or truncated "
+                              f"({', '.join(damaged[:3]) or 'params/'}{', ...' if len(damaged) > 3 else ''}); "
+                              "convert the model again")
+    try:
+        tree = ocp.StandardCheckpointer().restore((path / "params").absolute(), target)
+    except Exception as e:  # orbax raises many kinds (NOT_FOUND, ValueError, KeyError, ...) with long texts
+        raise CheckpointError(f"cannot restore the parameters in {path / 'params'}: files missing or damaged "
+                              f"({type(e).__name__}); convert the model again") from None
     return jax.tree.map(lambda a: jnp.asarray(a, dtype), _unstring_layers(tree))
 
 
@@ -125,10 +146,8 @@ def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
 
 
 def _read_hf(path: Path, cfg: ModelConfig, dtype: Any | None) -> dict:
-    from convert.hf_layout import NUMPY_DTYPES, iter_params
-
     if dtype is None:
-        torch_dtype = json.loads((path / "config.json").read_text()).get("torch_dtype")
+        torch_dtype = read_json(path / "config.json").get("torch_dtype")
         dtype = "bfloat16" if torch_dtype == "bfloat16" else "float32"
     params = iter_params(path, cfg, NUMPY_DTYPES[_dtype_name(dtype)], progress(f"loading {path.name}"))
     return _unstring_layers(_nest((p, jnp.asarray(a)) for p, a in params))
@@ -141,27 +160,38 @@ def progress(desc: str):
     return lambda items: tqdm(items, desc=desc, unit="tensor", disable=None)
 
 
-def load_tokenizer(path: str | Path) -> Any | None:
-    """The HF fast tokenizer shipped in `path` (tokenizer.json + tokenizer_config.json), or None."""
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
-        return None
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(str(path))
+def _check_finite(tree: dict) -> None:
+    """Name the first parameter holding NaN or inf (one fused reduction, one transfer)."""
+    flat = _flatten(tree)
+    finite = jax.device_get(jax.jit(lambda leaves: jnp.stack([jnp.isfinite(a).all() for a in leaves]))(
+        [a for _, a in flat]))
+    bad = [".".join(map(str, p)) for (p, _), ok in zip(flat, finite) if not ok]
+    if bad:
+        raise CheckpointError(f"parameters hold NaN or inf values: {', '.join(bad[:5])}"
+                              f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} (a damaged checkpoint?)")
 
 
 def load(path: str | Path, dtype: Any | None = None) -> Model:
     """Load a model from a converted checkpoint or an HF LLaDA/Dream snapshot directory.
 
     dtype: "float32" or "bfloat16" (or the jnp dtype); default: the dtype the weights are stored in.
-    An HF directory is converted in memory, one tensor at a time.
+    An HF directory is converted in memory, one tensor at a time. The directory's
+    generation_config.json (if any) becomes the model's generation defaults.
     """
     path = Path(path)
+    if path.is_file():
+        raise InputError(f"{path} is a file; a model is a directory (config.json, weights, tokenizer files)")
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist")
+        raise InputError(f"model directory {path} does not exist")
+    if dtype is not None:
+        try:
+            _dtype_name(dtype)
+        except (TypeError, ValueError):
+            raise InputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
     cfg = ModelConfig.from_file(path)
+    generation, eos_ids = read_generation_config(path, cfg)
     tree = _restore_converted(path, cfg, dtype) if is_converted(path) else _read_hf(path, cfg, dtype)
+    _check_finite(tree)
     graphdef, state = nnx.split(abstract_transformer(cfg, tree["embed"].dtype))
     nnx.replace_by_pure_dict(state, tree)
-    return Model(cfg, graphdef, state, load_tokenizer(path))
+    return Model(cfg, graphdef, state, load_tokenizer(path), generation, eos_ids)

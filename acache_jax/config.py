@@ -1,17 +1,28 @@
-"""Model configuration read from a Hugging Face `config.json` of the LLaDA or Dream family.
+"""What a model directory's two JSON files say: the network (`config.json` -> `ModelConfig`) and
+how to decode with it (`generation_config.json` -> the model's default `DecodeConfig`).
 
-Every size and token id comes from the file; a missing field or an architecture option we do not
-implement is reported by name instead of being silently defaulted.
+Every size and token id comes from config.json; a missing field or an architecture option we do not
+implement is reported by name instead of being silently defaulted. Generation defaults belong to
+the model, as in the HF ecosystem: every entry point starts from them and flags or request fields
+override them; a directory without the file falls back to `DecodeConfig()`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any, Literal
 
+from acache_jax import sampling
+
 Family = Literal["llada", "dream"]
+CachePolicy = Literal["none", "prefix", "dual", "acache", "direct"]
+CACHE_POLICIES = ("none", "prefix", "dual", "acache", "direct")
+SELECTORS = ("attention", "hkvd", "random", "bottom")
+ATTENTION_BACKENDS = ("xla", "cudnn", "pallas")
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 # model_type in config.json -> our family name.
 _FAMILIES: dict[str, Family] = {"llada": "llada", "Dream": "dream"}
@@ -33,8 +44,17 @@ LLADA_FIXED = {
 DREAM_FIXED = {"tie_word_embeddings": False, "hidden_act": "silu", "use_sliding_window": False}
 
 
-class ConfigError(ValueError):
-    """config.json does not describe a model this library can run."""
+class InputError(ValueError):
+    """Input this library cannot use, named in the message: the root of every error we raise for a
+    bad setting, request, file or call (entry points report it as one line)."""
+
+
+class ConfigError(InputError):
+    """config.json or generation_config.json does not describe a model this library can run."""
+
+
+class DecodeError(InputError):
+    """A generation setting that cannot be run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +93,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from the parsed `config.json` dictionary of an HF LLaDA or Dream checkpoint."""
+        if not isinstance(hf, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type")
         if model_type not in _FAMILIES:
             raise ConfigError(
@@ -133,11 +155,7 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_hf(hf)
+        return cls.from_hf(read_json(path))
 
     def validate(self) -> None:
         problems = []
@@ -191,3 +209,211 @@ class _Reader:
                 raise ConfigError(
                     f"config.json sets {key}={self.hf[key]!r}; only {key}={want!r} is supported"
                 )
+
+
+def read_json(path: str | Path) -> Any:
+    """A JSON file's content; a file that cannot be read or parsed is named in the error."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def anchor_count(ratio: float, affix_len: int) -> int:
+    """K = min(ceil(ratio * L), L)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise DecodeError(f"anchor ratio must be in [0, 1], got {ratio}")
+    return min(math.ceil(ratio * affix_len), affix_len)
+
+
+# The type each DecodeConfig field must have ("opt" = may also be None); checked before any value.
+_FIELD_KINDS = {
+    "gen_length": "int", "block_length": "int", "steps": "opt int", "threshold": "opt float",
+    "factor": "opt float", "temperature": "float", "remasking": "str", "alg": "str", "alg_temp": "float",
+    "top_p": "opt float", "top_k": "opt int", "cfg_scale": "float", "cache": "str", "anchor_ratio": "float",
+    "selector": "str", "drop_non_anchor": "bool", "early_stop": "bool", "attn_backend": "opt str",
+}
+
+
+def _kind_error(name: str, value: Any, kind: str) -> str | None:
+    """Why `value` is not of `kind` (None when it is). Strings are never numbers or booleans."""
+    optional = kind.startswith("opt ")
+    if optional:
+        if value is None:
+            return None
+        kind = kind[4:]
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+          "bool": isinstance(value, bool), "str": isinstance(value, str)}[kind]
+    what = {"int": "an integer", "float": "a finite number", "bool": "true or false", "str": "a string"}[kind]
+    return None if ok else f"{name} must be {what}{' or null' * optional}, got {value!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Decoding settings (hashable: one compiled program per distinct config and bucket).
+
+    The class defaults are what a model without a generation_config.json decodes with; a loaded
+    model's defaults are `Model.generation_config`, and `Model.decode_config(**overrides)` starts
+    from them.
+    """
+
+    gen_length: int = 256
+    block_length: int = 32
+    steps: int | None = None  # fixed-schedule steps over the whole generation (default gen_length)
+    threshold: float | None = 0.9  # Fast-dLLM parallel decoding; None = fixed schedule from `steps`
+    factor: float | None = None  # Fast-dLLM factor rule (overrides threshold)
+    temperature: float = 0.0
+    remasking: sampling.Remasking = "low_confidence"  # LLaDA
+    alg: sampling.DreamAlg = "maskgit_plus"  # Dream
+    alg_temp: float = 0.0  # Dream
+    top_p: float | None = None  # Dream
+    top_k: int | None = None  # Dream
+    cfg_scale: float = 0.0  # classifier-free guidance (LLaDA)
+    cache: CachePolicy = "dual"
+    anchor_ratio: float = 0.2  # acache: K = min(ceil(ratio * L), L) anchors per request
+    selector: str = "attention"  # acache: attention | hkvd | random | bottom
+    drop_non_anchor: bool = False  # acache DropNA ablation: non-anchor affix K/V are discarded
+    # A request whose finished block is all end-of-text (eos) commits the rest of its generation as
+    # end-of-text without computing it. Off for upstream parity (upstream computes every block).
+    early_stop: bool = True
+    attn_backend: str | None = None  # None: pallas on a GPU, else xla
+
+    @property
+    def selective(self) -> bool:
+        """Block starts recompute only private positions against a shared affix cache."""
+        return self.cache in ("acache", "direct")
+
+    def anchors(self, affix_len: int) -> int:
+        return 0 if self.cache == "direct" else anchor_count(self.anchor_ratio, affix_len)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.gen_length // self.block_length
+
+    @property
+    def steps_per_block(self) -> int:
+        return (self.steps or self.gen_length) // self.num_blocks
+
+    def sampler(self, mcfg: ModelConfig) -> sampling.SamplerConfig:
+        return sampling.SamplerConfig(
+            family=mcfg.family, mask_token_id=mcfg.mask_token_id, temperature=self.temperature, threshold=self.threshold,
+            factor=self.factor, remasking=self.remasking, alg=self.alg, alg_temp=self.alg_temp, top_p=self.top_p,
+            top_k=self.top_k,
+        )
+
+    def replace(self, **overrides: Any) -> DecodeConfig:
+        """A copy with these fields changed (validated); an unknown field name is an error."""
+        unknown = sorted(set(overrides) - set(_FIELD_KINDS))
+        if unknown:
+            raise DecodeError(f"unknown decoding setting(s) {unknown}; known: {sorted(_FIELD_KINDS)}")
+        config = dataclasses.replace(self, **overrides)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        def fail(msg):
+            raise DecodeError(msg)
+
+        for name, kind in _FIELD_KINDS.items():
+            problem = _kind_error(name, getattr(self, name), kind)
+            if problem:
+                fail(problem)
+        if self.gen_length <= 0 or self.block_length <= 0:
+            fail(f"gen_length ({self.gen_length}) and block_length ({self.block_length}) must be positive")
+        if self.gen_length % self.block_length:
+            fail(f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})")
+        if self.steps is not None and (self.steps <= 0 or self.steps % self.num_blocks):
+            fail(f"steps ({self.steps}) must be a positive multiple of the number of blocks ({self.num_blocks})")
+        if self.threshold is not None and not 0 < self.threshold <= 1:
+            fail(f"threshold must be in (0, 1], got {self.threshold}")
+        if self.factor is not None and self.factor <= 0:
+            fail(f"factor must be positive, got {self.factor}")
+        if self.temperature < 0 or self.alg_temp < 0 or self.cfg_scale < 0:
+            fail("temperature, alg_temp and cfg_scale must be >= 0")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            fail(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k <= 0:
+            fail(f"top_k must be positive, got {self.top_k}")
+        if self.cache not in CACHE_POLICIES:
+            fail(f"unknown cache policy {self.cache!r}; choose one of {CACHE_POLICIES}")
+        if self.attn_backend is not None and self.attn_backend not in ATTENTION_BACKENDS:
+            fail(f"unknown attention backend {self.attn_backend!r}; choose one of {ATTENTION_BACKENDS}")
+        if self.attn_backend == "cudnn":
+            import jax  # noqa: PLC0415 (only this check needs the runtime)
+
+            if jax.default_backend() != "gpu":
+                fail(f"attention backend 'cudnn' needs a GPU; this process runs on {jax.default_backend()} "
+                     "(use xla or pallas)")
+        if self.remasking not in ("low_confidence", "random"):
+            fail(f"unknown remasking {self.remasking!r}; choose low_confidence or random")
+        if self.alg not in ("origin", "maskgit_plus", "topk_margin", "entropy"):
+            fail(f"unknown Dream alg {self.alg!r}; choose origin, maskgit_plus, topk_margin or entropy")
+        if not 0.0 <= self.anchor_ratio <= 1.0:
+            fail(f"anchor ratio must be in [0, 1], got {self.anchor_ratio}")
+        if self.selector not in SELECTORS:
+            fail(f"unknown anchor selector {self.selector!r}; choose one of {SELECTORS}")
+
+
+def resolve_decode_config(config: DecodeConfig | None, default: DecodeConfig) -> DecodeConfig:
+    """The config to run (`default`, the model's own, when None), validated; anything that is not a
+    DecodeConfig is a clear error."""
+    if config is None:
+        return default
+    if not isinstance(config, DecodeConfig):
+        raise DecodeError(f"config must be a DecodeConfig (e.g. model.decode_config(cache='acache')), "
+                          f"got {type(config).__name__}")
+    config.validate()
+    return config
+
+
+# generation_config.json key -> DecodeConfig field (HF's own name where it has one).
+GENERATION_KEYS = {
+    "max_new_tokens": "gen_length", "block_length": "block_length", "steps": "steps", "threshold": "threshold",
+    "factor": "factor", "temperature": "temperature", "remasking": "remasking", "alg": "alg", "alg_temp": "alg_temp",
+    "top_p": "top_p", "top_k": "top_k", "cfg_scale": "cfg_scale", "early_stop": "early_stop",
+}
+
+
+def read_generation_config(directory: str | Path, mcfg: ModelConfig) -> tuple[DecodeConfig, tuple[int, ...]]:
+    """(the model's default DecodeConfig, its end-of-text ids) from directory/generation_config.json.
+
+    Without the file: (DecodeConfig(), (eos,)). Keys other than GENERATION_KEYS and the special ids
+    are ignored (HF files carry many); a null value counts as unset, as in HF, except for
+    `threshold`, where null selects the fixed schedule (as `DecodeConfig.threshold = None`). `eos_token_id` may
+    list several ids (generation ends at any of them); mask and pad ids must agree with config.json.
+    """
+    path = Path(directory) / GENERATION_CONFIG_FILE
+    if not path.is_file():
+        return DecodeConfig(), (mcfg.eos_token_id,)
+    raw = read_json(path)
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    for key in ("mask_token_id", "pad_token_id"):
+        if raw.get(key) is not None and raw[key] != getattr(mcfg, key):
+            raise ConfigError(f"{path}: {key} {raw[key]!r} differs from config.json's {getattr(mcfg, key)}")
+    eos = raw.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < mcfg.vocab_size for t in eos):
+        raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them, got {raw['eos_token_id']!r}")
+    try:
+        config = DecodeConfig().replace(**{field: raw[key] for key, field in GENERATION_KEYS.items()
+                                           if raw.get(key) is not None or (key == "threshold" and key in raw)})
+    except DecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    return config, tuple(dict.fromkeys([mcfg.eos_token_id, *eos]))
+
+
+def generation_config_json(config: DecodeConfig, mcfg: ModelConfig) -> dict[str, Any]:
+    """The generation_config.json that `read_generation_config` reads back as `config`: every
+    generation setting that differs from DecodeConfig()'s, the lengths and threshold always."""
+    default = DecodeConfig()
+    out: dict[str, Any] = {}
+    for key, field in GENERATION_KEYS.items():
+        value = getattr(config, field)
+        if value != getattr(default, field) or field in ("gen_length", "block_length", "threshold"):
+            out[key] = value
+    return out | {"mask_token_id": mcfg.mask_token_id, "eos_token_id": mcfg.eos_token_id,
+                  "pad_token_id": mcfg.pad_token_id}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,94 +25,11 @@ import numpy as np
 from flax import nnx
 
 from acache_jax import sampling
-from acache_jax.acache import (SELECTORS, AffixCache, affix_positions, anchor_count, build_affix_cache,
-                               check_affix_cache, select_anchors_jit)
-from acache_jax.attention import ATTENTION_BACKENDS, KVView
-from acache_jax.config import ModelConfig
-from acache_jax.layout import Batch, Request, RequestError, check_requests, make_batch
+from acache_jax.acache import AffixCache, affix_positions, build_affix_cache, check_affix_cache, select_anchors_jit
+from acache_jax.attention import KVView
+from acache_jax.config import DecodeConfig, DecodeError, ModelConfig, resolve_decode_config
+from acache_jax.layout import Batch, Request, affix_token_ids, as_requests, check_requests, make_batch
 from acache_jax.model import Model
-
-CachePolicy = Literal["none", "prefix", "dual", "acache", "direct"]
-CACHE_POLICIES = ("none", "prefix", "dual", "acache", "direct")
-
-
-class DecodeError(RequestError):
-    """A generation setting that cannot be run."""
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """Decoding settings (hashable: one compiled program per distinct config and bucket)."""
-
-    gen_length: int = 256
-    block_length: int = 32
-    steps: int | None = None  # fixed-schedule steps over the whole generation (default gen_length)
-    threshold: float | None = 0.9  # Fast-dLLM parallel decoding; None = fixed schedule from `steps`
-    factor: float | None = None  # Fast-dLLM factor rule (overrides threshold)
-    temperature: float = 0.0
-    remasking: sampling.Remasking = "low_confidence"  # LLaDA
-    alg: sampling.DreamAlg = "maskgit_plus"  # Dream
-    alg_temp: float = 0.0  # Dream
-    top_p: float | None = None  # Dream
-    top_k: int | None = None  # Dream
-    cfg_scale: float = 0.0  # classifier-free guidance (LLaDA)
-    cache: CachePolicy = "dual"
-    anchor_ratio: float = 0.2  # acache: K = min(ceil(ratio * L), L) anchors per request
-    selector: str = "attention"  # acache: attention | hkvd | random | bottom
-    drop_non_anchor: bool = False  # acache DropNA ablation: non-anchor affix K/V are discarded
-    attn_backend: str | None = None  # None: pallas on a GPU, else xla
-
-    @property
-    def selective(self) -> bool:
-        """Block starts recompute only private positions against a shared affix cache."""
-        return self.cache in ("acache", "direct")
-
-    def anchors(self, affix_len: int) -> int:
-        return 0 if self.cache == "direct" else anchor_count(self.anchor_ratio, affix_len)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.gen_length // self.block_length
-
-    @property
-    def steps_per_block(self) -> int:
-        return (self.steps or self.gen_length) // self.num_blocks
-
-    def sampler(self, mcfg: ModelConfig) -> sampling.SamplerConfig:
-        return sampling.SamplerConfig(
-            family=mcfg.family, mask_token_id=mcfg.mask_token_id, temperature=self.temperature, threshold=self.threshold, factor=self.factor,
-            remasking=self.remasking, alg=self.alg, alg_temp=self.alg_temp, top_p=self.top_p, top_k=self.top_k,
-        )
-
-    def validate(self) -> None:
-        def fail(msg):
-            raise DecodeError(msg)
-
-        if self.gen_length <= 0 or self.block_length <= 0:
-            fail(f"gen_length ({self.gen_length}) and block_length ({self.block_length}) must be positive")
-        if self.gen_length % self.block_length:
-            fail(f"gen_length ({self.gen_length}) must be a multiple of block_length ({self.block_length})")
-        steps = self.steps or self.gen_length
-        if steps <= 0 or steps % self.num_blocks:
-            fail(f"steps ({steps}) must be a positive multiple of the number of blocks ({self.num_blocks})")
-        if self.threshold is not None and not 0 < self.threshold <= 1:
-            fail(f"threshold must be in (0, 1], got {self.threshold}")
-        if self.factor is not None and self.factor <= 0:
-            fail(f"factor must be positive, got {self.factor}")
-        if self.temperature < 0 or self.alg_temp < 0 or self.cfg_scale < 0:
-            fail("temperature, alg_temp and cfg_scale must be >= 0")
-        if self.cache not in CACHE_POLICIES:
-            fail(f"unknown cache policy {self.cache!r}; choose one of {CACHE_POLICIES}")
-        if self.attn_backend is not None and self.attn_backend not in ATTENTION_BACKENDS:
-            fail(f"unknown attention backend {self.attn_backend!r}; choose one of {ATTENTION_BACKENDS}")
-        if self.remasking not in ("low_confidence", "random"):
-            fail(f"unknown remasking {self.remasking!r}; choose low_confidence or random")
-        if self.alg not in ("origin", "maskgit_plus", "topk_margin", "entropy"):
-            fail(f"unknown Dream alg {self.alg!r}")
-        if not 0.0 <= self.anchor_ratio <= 1.0:
-            fail(f"anchor ratio must be in [0, 1], got {self.anchor_ratio}")
-        if self.selector not in SELECTORS:
-            fail(f"unknown anchor selector {self.selector!r}; choose one of {SELECTORS}")
 
 
 @dataclasses.dataclass
@@ -141,31 +58,6 @@ class DecodeStats:
     nfe: jax.Array  # [B] forward calls in which the row still had masks in its block
     forward_tokens: jax.Array  # [B] real tokens of the row those calls computed
     calls: jax.Array  # [] forward calls of the batch
-
-
-def commit_block(block: jax.Array, logits: jax.Array, step: jax.Array, keys: jax.Array, sched: jax.Array,
-                 cfg: DecodeConfig, mcfg: ModelConfig, block_start: bool) -> jax.Array:
-    """One commit on the blocks [B, bl] from their logits [B, bl, V]: the block's tokens afterwards.
-
-    step: the in-block step (0 at the block start), a scalar or per row [B]; keys: per-row keys of
-    this step; sched: the LLaDA fixed schedule [B, steps] (`sampling.llada_schedule`).
-    """
-    scfg = cfg.sampler(mcfg)
-    masked = block == mcfg.mask_token_id
-    x0, conf = sampling.propose(logits, keys, scfg)
-    step = jnp.broadcast_to(step, block.shape[:1])
-    if block_start and mcfg.family == "dream":  # Dream commits only the block's first token here
-        chosen = masked & (jnp.arange(block.shape[1]) == 0)[None]
-    elif scfg.factor is not None:
-        chosen = sampling.factor_commit(conf, masked, scfg.factor)
-    elif scfg.threshold is not None:
-        chosen = sampling.threshold_commit(conf, masked, scfg.threshold)
-    elif mcfg.family == "llada":
-        k = jnp.take_along_axis(sched, jnp.minimum(step, sched.shape[1] - 1)[:, None], axis=1)[:, 0]
-        chosen = sampling.top_k_commit(conf, masked, k)
-    else:
-        chosen = sampling.dream_schedule_commit(conf, masked, step, cfg.steps_per_block, keys, scfg)
-    return jnp.where(chosen, x0, block)
 
 
 def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: DecodeConfig,
@@ -198,9 +90,11 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
         """Per-row keys for this step, from the row's own forward count (not the batch's)."""
         return jax.vmap(jax.random.fold_in)(batch.keys, nfe)
 
+    scfg = cfg.sampler(mcfg)
+
     def commit(x, s, logits, step, keys, sched, block_start: bool):
         block = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1)
-        block = commit_block(block, logits, step, keys, sched, cfg, mcfg, block_start)
+        block = sampling.commit_block(block, logits, step, keys, sched, scfg, cfg.steps_per_block, block_start)
         return jax.lax.dynamic_update_slice_in_dim(x, block, s, axis=1)
 
     col = jnp.arange(t)[None]
@@ -240,8 +134,8 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
         view = KVView(pool(affix.k, k), pool(affix.v, v), batch.positions, batch.valid & ~in_block & affix_valid, slots)
         return logits, view, p_tokens.sum(-1)
 
-    def block_body(blk, carry):
-        x, nfe, ftok, calls = carry
+    def block_body(carry):
+        blk, x, nfe, ftok, calls = carry
         s = g0 + blk * bl
         masked0 = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mask_id
         sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
@@ -275,20 +169,41 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
             return x, step + 1, nfe, ftok, calls + 1
 
         x, _, nfe, ftok, calls = jax.lax.while_loop(step_cond, step_body, (x, jnp.int32(1), nfe, ftok, calls + 1))
-        return x, nfe, ftok, calls
+        if cfg.early_stop:  # a block all end-of-text ends the row's generation: the rest is eos, uncomputed
+            ended = (jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mcfg.eos_token_id).all(-1)
+            x = jnp.where(ended[:, None] & gen_cols[None] & (col >= s + bl), mcfg.eos_token_id, x)
+        return blk + 1, x, nfe, ftok, calls
+
+    def blocks_left(carry):
+        """Blocks remain and some row still has masks (early-stopped rows have none)."""
+        blk, x = carry[:2]
+        return (blk < cfg.num_blocks) & ((x == mask_id) & gen_cols[None]).any()
 
     zeros = jnp.zeros((b,), jnp.int32)
-    x, nfe, ftok, calls = jax.lax.fori_loop(0, cfg.num_blocks, block_body, (batch.tokens, zeros, zeros, jnp.int32(0)))
+    init = (jnp.int32(0), batch.tokens, zeros, zeros, jnp.int32(0))
+    _, x, nfe, ftok, calls = jax.lax.while_loop(blocks_left, block_body, init)
     return x, DecodeStats(nfe, ftok, calls)
 
 
 decode_batch = jax.jit(_decode, static_argnums=(0, 3))
 
 
+def check_policy(config: DecodeConfig, request: Request, affix: Sequence[int] | None) -> None:
+    """What the cache policy asks of a request: selective recompute needs a placed affix, no CFG."""
+    if not config.selective:
+        return
+    if affix is None:
+        raise DecodeError(f"cache policy {config.cache!r} needs an affix (affix ids or an AffixCache)")
+    if request.affix_position is None:
+        raise DecodeError(f"cache policy {config.cache!r}: every request needs an affix_position")
+    if config.cfg_scale > 0:
+        raise DecodeError("classifier-free guidance is not supported with selective recompute")
+
+
 def generate(
     model: Model,
     prompts: Sequence[Sequence[int]] | Sequence[Request],
-    config: DecodeConfig = DecodeConfig(),
+    config: DecodeConfig | None = None,
     *,
     affix: AffixCache | Sequence[int] | None = None,
     max_batch: int = 16,
@@ -296,25 +211,22 @@ def generate(
 ) -> GenerateResult:
     """Generate for many requests, `max_batch` at a time; results in input order.
 
-    prompts: token-id lists (seed 0 each) or `Request`s. affix: the shared affix, as ids or as an
-    `AffixCache` built once with `build_affix_cache` (required by the `acache`/`direct` policies;
-    the other policies compute the affix in place like any other text). A request's result does
-    not depend on the other requests it is batched with.
+    prompts: token-id lists (seed 0 each) or `Request`s. config: default the model's own
+    (`model.generation_config`; `model.decode_config(**overrides)` changes some fields). affix: the
+    shared affix, as ids or as an `AffixCache` built once with `build_affix_cache` (required by the
+    `acache`/`direct` policies; the other policies compute the affix in place like any other
+    text). A request's result does not depend on the other requests it is batched with.
     """
-    config.validate()
-    requests = [p if isinstance(p, Request) else Request(list(p)) for p in prompts]
-    if not requests:
-        raise DecodeError("no prompts given")
-    affix_ids = None if affix is None else [int(t) for t in (affix.ids if isinstance(affix, AffixCache) else affix)]
+    config = resolve_decode_config(config, model.generation_config)
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0:
+        raise DecodeError(f"max_batch must be a positive integer, got {max_batch!r}")
+    requests = as_requests(prompts)
+    affix_ids = None if affix is None else affix_token_ids(affix)
     check_requests(requests, config.gen_length, model.config, affix_ids)
+    for r in requests:
+        check_policy(config, r, affix_ids)
     cache, k = None, 0
     if config.selective:
-        if affix is None:
-            raise DecodeError(f"cache policy {config.cache!r} needs an affix (affix ids or an AffixCache)")
-        if any(r.affix_position is None for r in requests):
-            raise DecodeError(f"cache policy {config.cache!r}: every request needs an affix_position")
-        if config.cfg_scale > 0:
-            raise DecodeError("classifier-free guidance is not supported with selective recompute")
         cache = affix if isinstance(affix, AffixCache) else build_affix_cache(model, affix_ids)
         check_affix_cache(model, cache)
         k = config.anchors(cache.length)

@@ -2,43 +2,71 @@
 
 Requests come from --prompt / --prompt-ids, or one per line of --input FILE.jsonl, where each line is
 an object whose keys are the flag names without dashes (`-` as `_`) and override the flags for that
-request. Requests with equal decoding settings and affix are batched; output lines keep input order.
+request. Decoding settings start from the model's generation_config.json; flags override them.
+Requests with equal decoding settings and affix are batched; every line is checked before any work
+starts, and results are printed in input order as soon as they and all earlier ones are done.
 
 A shared affix (--affix TEXT or --affix-ids) is placed as prefix ([affix][prompt]), infix
 ([prompt][affix][prompt tail]) or suffix ([prompt][generation][affix]). With an affix, texts are
 tokenized as plain spans (no chat template, no BOS) so that the pieces join exactly.
+
+The answer goes to stdout, the per-request statistics line to stderr (--json: one object per
+request on stdout, statistics included).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from acache_jax.attention import ATTENTION_BACKENDS
-from acache_jax.acache import SELECTORS, build_affix_cache
+from acache_jax.acache import AffixCache, build_affix_cache
 from acache_jax.checkpoint import load
-from acache_jax.config import ConfigError
-from acache_jax.decode import CACHE_POLICIES, DecodeConfig, DecodeError, generate
+from acache_jax.config import ATTENTION_BACKENDS, CACHE_POLICIES, SELECTORS, DecodeConfig, InputError
+from acache_jax.decode import check_policy, generate
 from acache_jax.engine import Engine
-from acache_jax.layout import AFFIX_POSITIONS, Request, RequestError
+from acache_jax.engine.engine import check_engine_config
+from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_request, token_ids
+from acache_jax.model import Model
 
 # The shipped LLaDA-architecture model (acache_jax/models/README.md); used when --model is not given.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "llada-small"
-STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 # Per-request keys of --input lines that map onto DecodeConfig fields.
-DECODE_KEYS = {"gen_length", "block_length", "steps", "threshold", "factor", "temperature", "cache",
-               "anchor_ratio", "selector", "drop_non_anchor"}
-TEXT_KEYS = {"prompt", "prompt_ids", "affix", "affix_ids", "prompt_tail", "prompt_tail_ids"}
-REQUEST_KEYS = TEXT_KEYS | {"seed", "no_chat", "affix_position"} | DECODE_KEYS
+DECODE_KEYS = ("gen_length", "block_length", "steps", "threshold", "factor", "temperature", "cache",
+               "anchor_ratio", "selector", "drop_non_anchor", "early_stop")
+# The other keys of an --input line, with the type each must have.
+REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "affix": str, "affix_ids": list, "prompt_tail": str,
+                "prompt_tail_ids": list, "seed": int, "no_chat": bool, "affix_position": str}
+WINDOW_BATCHES = 4  # the static path decodes this many batches of input lines, then prints them
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (no usage block) with exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def _threshold(text: str) -> float | None:
     return None if text.lower() == "none" else float(text)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, {MAX_SEED}], got {text}")
+    return value
 
 
 def _ids(text: str) -> list[int]:
@@ -49,7 +77,8 @@ def _ids(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m acache_jax.generate", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m acache_jax.generate", description=__doc__.splitlines()[0])
+    unset = argparse.SUPPRESS  # decoding flags not given keep the model's generation defaults
     p.add_argument("--model", type=Path, help="converted or HF LLaDA/Dream directory (default: the shipped model)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (default: as stored)")
     src = p.add_mutually_exclusive_group()
@@ -60,57 +89,75 @@ def parser() -> argparse.ArgumentParser:
     affix = p.add_mutually_exclusive_group()
     affix.add_argument("--affix", help="shared affix text")
     affix.add_argument("--affix-ids", type=_ids, help="shared affix token ids")
-    p.add_argument("--affix-position", choices=AFFIX_POSITIONS, default="prefix")
+    p.add_argument("--affix-position", choices=AFFIX_POSITIONS, help="where the affix goes (default: prefix)")
     tail = p.add_mutually_exclusive_group()
     tail.add_argument("--prompt-tail", help="infix: the prompt text after the affix")
     tail.add_argument("--prompt-tail-ids", type=_ids, help="infix: the prompt token ids after the affix")
-    p.add_argument("--gen-length", type=int, default=256)
-    p.add_argument("--block-length", type=int, default=32)
-    p.add_argument("--steps", type=int, default=None, help="fixed-schedule steps (default: gen length)")
-    p.add_argument("--threshold", type=_threshold, default=0.9, help="confidence threshold, or 'none' for the schedule")
-    p.add_argument("--factor", type=float, default=None, help="Fast-dLLM factor rule instead of the threshold")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--cache", choices=CACHE_POLICIES, default="dual",
+    p.add_argument("--gen-length", type=_positive, default=unset, help="tokens to generate (default: the model's)")
+    p.add_argument("--block-length", type=_positive, default=unset, help="decoding block (default: the model's)")
+    p.add_argument("--steps", type=_positive, default=unset, help="fixed-schedule steps (default: gen length)")
+    p.add_argument("--threshold", type=_threshold, default=unset,
+                   help="confidence threshold, or 'none' for the fixed schedule (default: the model's)")
+    p.add_argument("--factor", type=float, default=unset, help="Fast-dLLM factor rule instead of the threshold")
+    p.add_argument("--temperature", type=float, default=unset)
+    p.add_argument("--cache", choices=CACHE_POLICIES, default=unset,
                    help="none | prefix | dual (Fast-dLLM) | acache (anchors recomputed) | direct (affix cache as is)")
-    p.add_argument("--anchor-ratio", type=float, default=0.2, help="acache: anchors per affix token")
-    p.add_argument("--selector", choices=SELECTORS, default="attention", help="acache: how anchors are chosen")
-    p.add_argument("--drop-non-anchor", action="store_true", help="acache DropNA ablation")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=16, help="largest batch to run at once")
+    p.add_argument("--anchor-ratio", type=float, default=unset, help="acache: anchors per affix token")
+    p.add_argument("--selector", choices=SELECTORS, default=unset, help="acache: how anchors are chosen")
+    p.add_argument("--drop-non-anchor", action="store_true", default=unset, help="acache DropNA ablation")
+    p.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=unset,
+                   help="compute every block even after an all end-of-text one (upstream parity)")
+    p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--batch-size", type=_positive, default=16, help="largest batch to run at once")
     p.add_argument("--backend", default=None, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: pallas on a GPU, else xla)")
     p.add_argument("--engine", action="store_true",
                    help="serve the requests with the continuous-batching engine (cache dual, acache or direct)")
-    p.add_argument("--pool-tokens", type=int, default=None,
+    p.add_argument("--pool-tokens", type=_positive, default=None,
                    help="engine: KV pool size in tokens (default: batch size x the model's context)")
     p.add_argument("--json", action="store_true", help="one JSON object per request: tokens, text, nfe, seconds")
     return p
 
 
-def _requests(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _lines(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(where, request object) of every request: the flags' one, or each line of --input."""
     if args.input is None:
         if args.prompt is None and args.prompt_ids is None:
-            raise DecodeError("give --prompt TEXT, --prompt-ids 1,2,3 or --input FILE.jsonl")
-        return [{}]
+            raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 or --input FILE.jsonl")
+        return [("the flags", {})]
+    if args.input.is_dir():
+        raise InputError(f"--input {args.input} is a directory; give a JSONL file")
+    if not args.input.is_file():
+        raise InputError(f"--input {args.input} does not exist")
     lines = []
     for n, line in enumerate(args.input.read_text().splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{args.input}:{n}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DecodeError(f"{args.input}:{n}: not valid JSON ({e})") from None
-        unknown = set(obj) - REQUEST_KEYS
-        if not isinstance(obj, dict) or unknown:
-            raise DecodeError(f"{args.input}:{n}: expected an object with keys from {sorted(REQUEST_KEYS)}; "
-                              f"unknown: {sorted(unknown)}")
-        lines.append(obj)
+            raise InputError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise InputError(f"{where}: expected a JSON object, got {json.dumps(obj)[:40]}")
+        unknown = sorted(set(obj) - set(REQUEST_KEYS) - set(DECODE_KEYS))
+        if unknown:
+            raise InputError(f"{where}: unknown keys {unknown}; known: {sorted([*REQUEST_KEYS, *DECODE_KEYS])}")
+        for key, kind in REQUEST_KEYS.items():
+            value = obj.get(key)
+            wrong = value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool)))
+            if wrong:
+                raise InputError(f"{where}: {key} must be {kind.__name__ if kind is not list else 'a list'}, "
+                                 f"got {json.dumps(value)[:40]}")
+        lines.append((where, obj))
+    if not lines:
+        raise InputError(f"--input {args.input} holds no requests")
     return lines
 
 
 def _field(req: dict[str, Any], args: argparse.Namespace, key: str) -> Any:
     """A request's value for `key`: its own line's, else the flag's."""
-    return req[key] if key in req else getattr(args, key)
+    return req[key] if key in req else getattr(args, key, None)
 
 
 def _choose(req, args, text_key: str, ids_key: str) -> tuple[list[int] | None, str | None]:
@@ -118,123 +165,169 @@ def _choose(req, args, text_key: str, ids_key: str) -> tuple[list[int] | None, s
     and between flags the ids win."""
     ids, text = _field(req, args, ids_key), _field(req, args, text_key)
     if ids is not None and (ids_key in req or text_key not in req):
-        return [int(t) for t in ids], None
+        return token_ids(ids, ids_key), None
     return None, text
 
 
-def _span(req, args, tokenizer, text_key: str, ids_key: str) -> list[int] | None:
+def _span(req, args, model: Model, text_key: str, ids_key: str) -> list[int] | None:
     """Token ids of a plain text span (no template, no BOS) or the given ids; None if neither."""
     ids, text = _choose(req, args, text_key, ids_key)
     if ids is not None or text is None:
         return ids
-    if tokenizer is None:
-        raise DecodeError(f"this model ships no tokenizer: give token ids ({ids_key})")
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if model.tokenizer is None:
+        raise InputError(f"this model ships no tokenizer: give token ids ({ids_key})")
+    return model.encode(text, chat=False, special_tokens=False)
 
 
-def _encode(req: dict[str, Any], args: argparse.Namespace, tokenizer: Any) -> tuple[list[int], list[int] | None, list[int]]:
-    """(prompt ids, affix ids or None, prompt tail ids) of one request."""
-    affix = _span(req, args, tokenizer, "affix", "affix_ids")
-    tail = _span(req, args, tokenizer, "prompt_tail", "prompt_tail_ids") or []
+def _encode(req: dict[str, Any], args: argparse.Namespace, model: Model) -> tuple[list[int], list[int] | None, list[int]]:
+    """(prompt ids, affix ids or None, prompt tail ids) of one request. Without an affix a prompt
+    text is a chat turn (unless no_chat); with one, every text is a plain span."""
+    affix = _span(req, args, model, "affix", "affix_ids")
+    tail = _span(req, args, model, "prompt_tail", "prompt_tail_ids") or []
     ids, text = _choose(req, args, "prompt", "prompt_ids")
     if ids is not None:
         return ids, affix, tail
     if text is None:
-        raise DecodeError("a request has neither prompt nor prompt_ids")
-    if tokenizer is None:
-        raise DecodeError("this model ships no tokenizer: give token ids (--prompt-ids / prompt_ids)")
-    if affix is None and not _field(req, args, "no_chat") and getattr(tokenizer, "chat_template", None):
-        chat = [{"role": "user", "content": text}]
-        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)), affix, tail
-    return tokenizer(text, add_special_tokens=affix is None)["input_ids"], affix, tail
-
-
-def _stop_ids(model) -> set[int]:
-    stops = {model.config.eos_token_id}
-    tok = model.tokenizer
-    if tok is not None:
-        vocab = tok.get_vocab()
-        stops |= {vocab[t] for t in STOP_TOKENS if t in vocab}
-    return stops
-
-
-def _text(tokens: np.ndarray, model, stops: set[int]) -> str | None:
+        raise InputError("the request has neither prompt nor prompt_ids")
     if model.tokenizer is None:
-        return None
-    ids = tokens.tolist()
-    end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-    return model.tokenizer.decode([t for t in ids[:end] if t != model.config.mask_token_id], skip_special_tokens=True)
+        raise InputError("this model ships no tokenizer: give token ids (--prompt-ids / prompt_ids)")
+    return model.encode(text, chat=not _field(req, args, "no_chat"), special_tokens=affix is None), affix, tail
 
 
-def _serve(model, groups: dict[tuple, list[tuple[int, Request]]], args: argparse.Namespace,
-           results: list[dict[str, Any]], stops: set[int]) -> None:
-    """Run every request through one engine per decoding config; engine stats go with each result."""
-    engines: dict[DecodeConfig, tuple[Engine, dict[int, int]]] = {}
-    for (config, affix), members in groups.items():
-        if config not in engines:
-            engines[config] = (Engine(model, config, pool_tokens=args.pool_tokens, max_batch=args.batch_size), {})
-        engine, ids = engines[config]
-        for i, request in members:
-            ids[engine.add(request, affix)] = i
-    for config, (engine, ids) in engines.items():
-        for res in engine.run(progress=len(ids) > args.batch_size):
-            i = ids[res.request_id]
-            results[i] = {"tokens": res.tokens.tolist(), "text": _text(res.tokens, model, stops), "nfe": res.nfe,
-                          "forward_tokens": None, "seconds": round(engine.stats.seconds, 4),
-                          "engine": engine.stats.summary()}
-            if config.selective:
-                results[i]["anchors"] = res.anchors.tolist()
+@dataclasses.dataclass
+class _Job:
+    """One checked request: its decoding config, its affix (ids) and its layout."""
+
+    config: DecodeConfig
+    affix: tuple[int, ...] | None
+    request: Request
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    try:
-        path = args.model or DEFAULT_MODEL
-        if args.model is None and not DEFAULT_MODEL.is_dir():
-            raise DecodeError("no --model given and no default model is shipped with this installation; "
-                              "pass --model DIR (an HF LLaDA/Dream snapshot or a converted checkpoint)")
-        model = load(path, dtype=args.dtype)
-        reqs = _requests(args)
-        groups: dict[tuple, list[tuple[int, Request]]] = {}
-        for i, req in enumerate(reqs):
-            config = DecodeConfig(**{k: _field(req, args, k) for k in DECODE_KEYS}, attn_backend=args.backend)
-            config.validate()
-            prompt, affix, tail = _encode(req, args, model.tokenizer)
-            position = _field(req, args, "affix_position") if affix is not None else None
-            request = Request(prompt, tail=tail, affix_position=position, seed=_field(req, args, "seed"))
-            groups.setdefault((config, None if affix is None else tuple(affix)), []).append((i, request))
-        results: list[dict[str, Any]] = [{} for _ in reqs]
-        stops = _stop_ids(model)
-        if args.engine:
-            _serve(model, groups, args, results, stops)
-            groups = {}
-        caches: dict[tuple[int, ...], Any] = {}  # one affix cache per distinct affix, shared by its groups
-        for (config, affix), members in groups.items():
+def _jobs(model: Model, args: argparse.Namespace) -> list[_Job]:
+    """Every request, checked and tokenized before any work starts; errors name the line."""
+    flags = {k: getattr(args, k) for k in DECODE_KEYS if hasattr(args, k)}
+    jobs = []
+    for where, req in _lines(args):
+        try:
+            settings = flags | {k: req[k] for k in DECODE_KEYS if k in req}
+            config = model.decode_config(**settings, attn_backend=args.backend)
+            if args.engine:
+                check_engine_config(config)
+            prompt, affix, tail = _encode(req, args, model)
+            position = _field(req, args, "affix_position")
+            if affix is None and position is not None:
+                raise RequestError(f"affix_position {position!r} given without an affix (--affix / affix_ids)")
+            if position is not None and position not in AFFIX_POSITIONS:
+                raise RequestError(f"affix_position must be one of {AFFIX_POSITIONS}, got {position!r}")
+            request = Request(prompt, tail=tail, affix_position=(position or "prefix") if affix else None,
+                              seed=_field(req, args, "seed"))
+            check_request(request, config.gen_length, model.config, affix)
+            check_policy(config, request, affix)
+        except InputError as e:
+            raise InputError(f"{where}: {e}" if args.input else str(e)) from None
+        jobs.append(_Job(config, None if affix is None else tuple(affix), request))
+    return jobs
+
+
+class _Output:
+    """Prints results in input order as soon as each and all earlier ones are done (flushed)."""
+
+    def __init__(self, model: Model, as_json: bool):
+        self.model, self.as_json = model, as_json
+        self.done, self._pending = 0, {}
+
+    def put(self, i: int, row: dict[str, Any]) -> None:
+        self._pending[i] = row
+        while self.done in self._pending:
+            # Ctrl-C waits for the line being printed: no torn line, and `done` counts what is out.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                self._print(self._pending.pop(self.done))
+                self.done += 1
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+    def _print(self, r: dict[str, Any]) -> None:
+        if self.as_json:
+            print(json.dumps(r), flush=True)
+            return
+        print(r["text"] if r["text"] is not None else " ".join(map(str, r["tokens"])), flush=True)
+        anchors = f", anchors {r['anchors']}" if "anchors" in r else ""
+        where = "engine run" if "engine" in r else f"forward tokens {r['forward_tokens']}"
+        print(f"[nfe {r['nfe']}, {where}, {r['seconds']:.2f} s{anchors}]", file=sys.stderr, flush=True)
+
+
+def _row(model: Model, config: DecodeConfig, tokens, nfe: int, anchors, **stats) -> dict[str, Any]:
+    row = {"tokens": [int(t) for t in tokens], "text": model.answer_text(tokens), "nfe": int(nfe), **stats}
+    if config.selective:
+        row["anchors"] = [int(a) for a in anchors]
+    return row
+
+
+def _groups(jobs: list[tuple[int, _Job]]) -> dict[tuple, list[tuple[int, _Job]]]:
+    groups: dict[tuple, list[tuple[int, _Job]]] = {}
+    for i, job in jobs:
+        groups.setdefault((job.config, job.affix), []).append((i, job))
+    return groups
+
+
+def _run_static(model: Model, jobs: list[_Job], batch_size: int, out: _Output) -> None:
+    """Input lines in windows of a few batches; within a window, one `generate` per config and affix."""
+    caches: dict[tuple[int, ...], AffixCache] = {}  # one affix cache per distinct affix
+    window = WINDOW_BATCHES * batch_size
+    for begin in range(0, len(jobs), window):
+        for (config, affix), members in _groups(list(enumerate(jobs))[begin:begin + window]).items():
             shared = None
             if affix is not None:
                 shared = caches.get(affix) if config.selective else list(affix)
                 if shared is None:
                     shared = caches[affix] = build_affix_cache(model, affix)
-            out = generate(model, [r for _, r in members], config, affix=shared, max_batch=args.batch_size,
-                           progress=len(members) > args.batch_size)
+            res = generate(model, [job.request for _, job in members], config, affix=shared, max_batch=batch_size)
             for j, (i, _) in enumerate(members):
-                results[i] = {"tokens": out.tokens[j].tolist(), "text": _text(out.tokens[j], model, stops),
-                              "nfe": int(out.nfe[j]), "forward_tokens": int(out.forward_tokens[j]),
-                              "seconds": round(float(out.seconds[j]), 4)}
-                if config.selective:
-                    results[i]["anchors"] = out.anchors[j].tolist()
-    except (RequestError, ConfigError, FileNotFoundError, ValueError) as e:
+                out.put(i, _row(model, config, res.tokens[j], res.nfe[j], res.anchors[j],
+                                forward_tokens=int(res.forward_tokens[j]), seconds=round(float(res.seconds[j]), 4)))
+
+
+def _run_engine(model: Model, jobs: list[_Job], args: argparse.Namespace, out: _Output) -> None:
+    """One engine per decoding config, stepped until its requests are done; results printed as they finish."""
+    for config, members in _by_config(jobs).items():
+        engine = Engine(model, config, pool_tokens=args.pool_tokens, max_batch=args.batch_size)
+        ids = {engine.add(job.request, job.affix): i for i, job in members}
+        while not engine.scheduler.idle:
+            for res in engine.step():
+                out.put(ids[res.request_id], _row(model, config, res.tokens, res.nfe, res.anchors, forward_tokens=None,
+                                                  seconds=round(engine.stats.seconds, 4),
+                                                  engine=engine.stats.summary()))
+
+
+def _by_config(jobs: list[_Job]) -> dict[DecodeConfig, list[tuple[int, _Job]]]:
+    groups: dict[DecodeConfig, list[tuple[int, _Job]]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault(job.config, []).append((i, job))
+    return groups
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    out = None
+    try:
+        if args.model is None and not DEFAULT_MODEL.is_dir():
+            raise InputError("no --model given and no default model is shipped with this installation; "
+                             "pass --model DIR (an HF LLaDA/Dream snapshot or a converted checkpoint)")
+        model = load(args.model or DEFAULT_MODEL, dtype=args.dtype)
+        jobs = _jobs(model, args)
+        out = _Output(model, args.json)
+        if args.engine:
+            _run_engine(model, jobs, args, out)
+        else:
+            _run_static(model, jobs, args.batch_size, out)
+    except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for r in results:
-        if args.json:
-            print(json.dumps(r))
-        else:
-            shown = r["text"] if r["text"] is not None else " ".join(map(str, r["tokens"]))
-            anchors = f", anchors {r['anchors']}" if "anchors" in r else ""
-            where = "engine run" if "engine" in r else f"forward tokens {r['forward_tokens']}"
-            print(f"{shown}\n[nfe {r['nfe']}, {where}, {r['seconds']:.2f} s{anchors}]")
+    except KeyboardInterrupt:
+        done = 0 if out is None else out.done
+        print(f"interrupted: {done} of {len(jobs) if out else '?'} requests done (printed above)", file=sys.stderr)
+        return 130
     return 0
 
 

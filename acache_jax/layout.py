@@ -11,20 +11,58 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.config import ModelConfig
+from acache_jax.config import InputError, ModelConfig
 
 AffixPosition = Literal["prefix", "infix", "suffix"]
 AFFIX_POSITIONS = ("prefix", "infix", "suffix")
+MAX_SEED = 2**32 - 1  # seeds are uint32 (one key per request, the same on every path)
 
 
-class RequestError(ValueError):
+class RequestError(InputError):
     """A request that cannot be laid out or run."""
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+
+
+def token_ids(ids: Any, what: str) -> list[int]:
+    """`ids` as a list of ints; strings, floats, booleans and nesting are errors naming `what`."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray, jax.Array)):
+        raise RequestError(f"{what} must be a list of token ids, got {type(ids).__name__} {ids!r:.60}")
+    ids = list(np.asarray(ids).tolist()) if isinstance(ids, (np.ndarray, jax.Array)) else list(ids)
+    bad = [t for t in ids if not _is_id(t)]
+    if bad:
+        raise RequestError(f"{what} must hold integer token ids, found {bad[0]!r}")
+    return [int(t) for t in ids]
+
+
+def as_requests(prompts: Any) -> list[Request]:
+    """Prompts (token-id lists or `Request`s) as Requests, with errors that say what was passed instead."""
+    if isinstance(prompts, (str, bytes)):
+        raise RequestError("prompts must be a list of prompts (token-id lists or Requests), got a string; "
+                           "tokenize it first, e.g. [model.tokenizer(text)['input_ids']]")
+    if isinstance(prompts, Request):
+        raise RequestError("prompts must be a list of prompts; wrap the single Request: [request]")
+    if not isinstance(prompts, (Sequence, np.ndarray)):
+        raise RequestError(f"prompts must be a list of token-id lists or Requests, got {type(prompts).__name__}")
+    prompts = list(prompts)
+    if not prompts:
+        raise RequestError("no prompts given")
+    if all(_is_id(p) for p in prompts):
+        raise RequestError(f"prompts is one flat list of token ids; pass a list of prompts: [{prompts[:3]}...]")
+    return [p if isinstance(p, Request) else Request(token_ids(p, f"prompt {i}")) for i, p in enumerate(prompts)]
+
+
+def affix_token_ids(affix: Any) -> list[int]:
+    """The ids of an affix given as ids or as an `AffixCache` (anything with `.ids`)."""
+    return token_ids(affix.ids if hasattr(affix, "ids") else affix, "the affix")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,33 +124,46 @@ def batch_bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def check_request(r: Request, gen_length: int, mcfg: ModelConfig, affix: list[int] | None) -> None:
+    """A clear error for a request that cannot run (affix: its ids, already checked)."""
+    if not isinstance(r, Request):
+        raise RequestError(f"must be a Request, got {type(r).__name__}")
+    token_ids(r.prompt, "prompt")
+    token_ids(r.tail, "tail")
+    if not _is_id(r.seed) or not 0 <= r.seed <= MAX_SEED:
+        raise RequestError(f"seed must be an integer in [0, {MAX_SEED}], got {r.seed!r}")
+    if r.affix_position is not None:
+        if r.affix_position not in AFFIX_POSITIONS:
+            raise RequestError(f"affix_position must be one of {AFFIX_POSITIONS}, got {r.affix_position!r}")
+        if affix is None:
+            raise RequestError(f"affix_position {r.affix_position!r} given but no affix")
+        if r.affix_position == "infix" and len(r.tail) == 0:
+            raise RequestError("an infix affix needs a prompt tail after it (prompt_tail)")
+    if r.tail and r.affix_position != "infix":
+        raise RequestError(f"a prompt tail goes after an infix affix; this request's affix position is "
+                           f"{r.affix_position!r}")
+    if len(r.prompt) == 0:
+        raise RequestError("empty prompt")
+    left, right, _ = r.parts(affix or [])
+    total = len(left) + len(right) + gen_length
+    if total > mcfg.max_seq_len:
+        raise RequestError(f"{len(left) + len(right)} prompt and affix tokens + {gen_length} generated = {total} "
+                           f"exceeds the model's context of {mcfg.max_seq_len}")
+    bad = [t for t in (*left, *right) if not 0 <= t < mcfg.vocab_size]
+    if bad:
+        raise RequestError(f"token ids outside the vocabulary [0, {mcfg.vocab_size}): {bad[:5]}")
+
+
 def check_requests(requests: Sequence[Request], gen_length: int, mcfg: ModelConfig, affix: Sequence[int] | None) -> None:
     """Clear errors for requests that cannot run, before anything is compiled."""
-    affix = list(affix) if affix is not None else None
+    affix = token_ids(affix, "the affix") if affix is not None else None
     if affix is not None and len(affix) == 0:
         raise RequestError("the affix is empty")
     for i, r in enumerate(requests):
-        if r.affix_position is not None:
-            if r.affix_position not in AFFIX_POSITIONS:
-                raise RequestError(f"request {i}: affix_position must be one of {AFFIX_POSITIONS}, got {r.affix_position!r}")
-            if affix is None:
-                raise RequestError(f"request {i}: affix_position {r.affix_position!r} given but no affix")
-            if r.affix_position == "infix" and len(r.tail) == 0:
-                raise RequestError(f"request {i}: an infix affix needs a prompt tail after it (prompt_tail)")
-        elif r.tail:
-            raise RequestError(f"request {i}: a prompt tail is only meaningful with an infix affix")
-        if len(r.prompt) == 0:
-            raise RequestError(f"request {i}: empty prompt")
-        left, right, _ = r.parts(affix or [])
-        total = len(left) + len(right) + gen_length
-        if total > mcfg.max_seq_len:
-            raise RequestError(
-                f"request {i}: {len(left) + len(right)} prompt and affix tokens + {gen_length} generated = {total} "
-                f"exceeds the model's context of {mcfg.max_seq_len}"
-            )
-        bad = [t for t in (*left, *right) if not 0 <= t < mcfg.vocab_size]
-        if bad:
-            raise RequestError(f"request {i}: token ids outside the vocabulary [0, {mcfg.vocab_size}): {bad[:5]}")
+        try:
+            check_request(r, gen_length, mcfg, affix)
+        except RequestError as e:
+            raise RequestError(f"request {i}: {e}") from None
 
 
 def make_batch(

@@ -16,10 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from acache_jax.attention import KVView, attend
-from acache_jax.config import ModelConfig
+from acache_jax.config import DecodeConfig, InputError, ModelConfig
 
 
 @jax.tree_util.register_dataclass
@@ -177,19 +178,66 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, pos
     return nnx.merge(graphdef, params)(token_ids, positions, **kwargs)
 
 
+# End-of-turn tokens of the families' chat templates: generated text ends at the first of them.
+CHAT_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A loaded model: config, network structure, weights and (if shipped) tokenizer."""
+    """A loaded model: config, network structure, weights, (if shipped) tokenizer, and its
+    generation defaults (generation_config.json) with the ids generated text ends at."""
 
     config: ModelConfig
     graphdef: nnx.GraphDef
     params: nnx.State
     tokenizer: Any = None
+    generation_config: DecodeConfig = DecodeConfig()
+    eos_token_ids: tuple[int, ...] = ()  # from generation_config.json; config.json's eos always counts
 
     @classmethod
-    def from_module(cls, module: Transformer, tokenizer: Any = None) -> Model:
+    def from_module(cls, module: Transformer, tokenizer: Any = None,
+                    generation_config: DecodeConfig = DecodeConfig()) -> Model:
         graphdef, params = nnx.split(module)
-        return cls(module.cfg, graphdef, params, tokenizer)
+        return cls(module.cfg, graphdef, params, tokenizer, generation_config)
+
+    def decode_config(self, **overrides: Any) -> DecodeConfig:
+        """The model's generation defaults with some fields changed, e.g. `decode_config(cache="acache")`."""
+        return self.generation_config.replace(**overrides)
+
+    @functools.cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids generated text ends at: config eos, generation_config eos ids, chat end-of-turn tokens."""
+        stops = {self.config.eos_token_id, *self.eos_token_ids}
+        if self.tokenizer is not None:
+            vocab = self.tokenizer.get_vocab()
+            stops |= {vocab[t] for t in CHAT_END_TOKENS if t in vocab}
+        return frozenset(stops)
+
+    def encode(self, text: str, *, chat: bool = True, special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`: a user turn of the tokenizer's chat template (with `chat`, when it has
+        one), else the text with the tokenizer's special tokens (BOS) or, with special_tokens=False,
+        a plain span that joins exactly with others (affixes, prompt tails)."""
+        if self.tokenizer is None:
+            raise InputError("this model ships no tokenizer: give token ids")
+        if not isinstance(text, str):
+            raise InputError(f"text must be a string, got {type(text).__name__}")
+        if chat and special_tokens and getattr(self.tokenizer, "chat_template", None):
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False))
+        return list(self.tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
+
+    def answer_ids(self, tokens: Any) -> list[int]:
+        """Generated ids up to the first stop id, masks left out."""
+        ids = [int(t) for t in tokens]
+        end = next((i for i, t in enumerate(ids) if t in self.stop_token_ids), len(ids))
+        return [t for t in ids[:end] if t != self.config.mask_token_id]
+
+    def answer_text(self, tokens: Any) -> str | None:
+        """The generated text up to the first stop id (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(self.answer_ids(tokens), skip_special_tokens=True)
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -209,11 +257,14 @@ class Model:
     def logits(self, token_ids: jax.Array) -> jax.Array:
         """Logits [B, T, V] float32 predicting every position of `token_ids` [B, T] under full
         bidirectional attention at positions 0..T-1 (for Dream, after the shift)."""
-        token_ids = jnp.asarray(token_ids)
-        if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
-            raise ValueError(f"token_ids must be an int array [B, T], got {token_ids.dtype}{list(token_ids.shape)}")
-        positions = jnp.broadcast_to(jnp.arange(token_ids.shape[1], dtype=jnp.int32), token_ids.shape)
-        return self.forward(token_ids.astype(jnp.int32), positions).logits
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.dtype == np.bool_:
+            raise InputError(f"token_ids must be integer token ids shaped [B, T], got {ids.dtype}{list(ids.shape)}")
+        bad = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if bad.size:
+            raise InputError(f"token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5].tolist()}")
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        return self.forward(jnp.asarray(ids, jnp.int32), positions).logits
 
 
 _jit_forward = jax.jit(forward, static_argnums=0, static_argnames=("with_logits", "attn_backend", "one_hot_embed"))

@@ -39,11 +39,6 @@ class SamplerConfig:
     top_k: int | None = None  # Dream
     eps: float = 1e-3  # Dream timestep floor
 
-    @property
-    def parallel(self) -> bool:
-        """Fast-dLLM parallel decoding (threshold or factor) rather than a fixed schedule."""
-        return self.factor is not None or self.threshold is not None
-
 
 def _gumbel(key: jax.Array, shape) -> jax.Array:
     return jax.random.gumbel(key, shape, jnp.float32)
@@ -167,3 +162,28 @@ def dream_schedule_commit(
         g = jax.vmap(lambda key: _gumbel(key, (masked.shape[-1],)))(_row_keys(keys, 5))
         conf = conf / cfg.alg_temp + g
     return top_k_commit(conf, masked, k)
+
+
+def commit_block(block: jax.Array, logits: jax.Array, step: jax.Array, keys: jax.Array, sched: jax.Array,
+                 cfg: SamplerConfig, steps_per_block: int, block_start: bool) -> jax.Array:
+    """One commit on the blocks [B, bl] from their logits [B, bl, V]: the block's tokens afterwards.
+
+    step: the in-block step (0 at the block start), a scalar or per row [B]; keys: per-row keys of
+    this step; sched: the LLaDA fixed schedule [B, steps] (`llada_schedule`). The one commit rule
+    of the static path and the engine.
+    """
+    masked = block == cfg.mask_token_id
+    x0, conf = propose(logits, keys, cfg)
+    step = jnp.broadcast_to(step, block.shape[:1])
+    if block_start and cfg.family == "dream":  # Dream commits only the block's first token here
+        chosen = masked & (jnp.arange(block.shape[1]) == 0)[None]
+    elif cfg.factor is not None:
+        chosen = factor_commit(conf, masked, cfg.factor)
+    elif cfg.threshold is not None:
+        chosen = threshold_commit(conf, masked, cfg.threshold)
+    elif cfg.family == "llada":
+        k = jnp.take_along_axis(sched, jnp.minimum(step, sched.shape[1] - 1)[:, None], axis=1)[:, 0]
+        chosen = top_k_commit(conf, masked, k)
+    else:
+        chosen = dream_schedule_commit(conf, masked, step, steps_per_block, keys, cfg)
+    return jnp.where(chosen, x0, block)

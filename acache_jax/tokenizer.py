@@ -14,11 +14,12 @@ get the "PyTorch was not found" line on stderr; other transformers messages are 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from acache_jax.config import ConfigError, InputError, read_json
 
 # What a converter must copy so that the converted directory loads the same way. The snapshot's
 # remote code (`tokenization_*.py`) is deliberately absent: it is never run. `tokenizer.model` and
@@ -38,7 +39,7 @@ PASSED_SETTINGS = ("model_max_length", "clean_up_tokenization_spaces", "split_sp
 ADDED_TOKEN_FIELDS = ("single_word", "lstrip", "rstrip", "normalized", "special")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer file that is missing, unreadable or inconsistent; the message names the file."""
 
 
@@ -81,9 +82,9 @@ def load_tokenizer(path: str | Path) -> Any | None:
 def _read_json(file: Path) -> dict:
     """A JSON object from `file`, or a TokenizerError naming it."""
     try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{file}: cannot be read as JSON: {e}") from e
+        value = read_json(file)
+    except ConfigError as e:
+        raise TokenizerError(str(e)) from None
     if not isinstance(value, dict):
         raise TokenizerError(f"{file}: expected a JSON object, got {type(value).__name__}")
     return value

@@ -1,24 +1,28 @@
-"""HF LLaDA/Dream checkpoints -> acache-jax checkpoints: `python -m convert SRC_DIR DST_DIR`."""
+"""HF LLaDA/Dream checkpoints -> acache-jax checkpoints: `python -m convert SRC_DIR DST_DIR`.
 
-from convert.hf_layout import CheckpointError, iter_params, key_map
+The checkpoint layout itself lives in `acache_jax.hf_checkpoint` (the library reads HF snapshots
+directly too); this package is the command that writes our format from it.
+"""
 
-__all__ = ["CheckpointError", "convert", "iter_params", "key_map"]
+from __future__ import annotations
+
+from pathlib import Path
+
+from acache_jax.checkpoint import check_destination, progress, save
+from acache_jax.config import ModelConfig, read_json
+from acache_jax.hf_checkpoint import NUMPY_DTYPES, CheckpointError, iter_params
+
+__all__ = ["CheckpointError", "convert"]
 
 
-def convert(src, dst, dtype: str = "bfloat16"):
+def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> Path:
     """Convert the HF snapshot directory `src` into our checkpoint at `dst` (atomically)."""
-    import json
-    from pathlib import Path
-
-    from acache_jax.checkpoint import progress, save, check_destination
-    from acache_jax.config import ModelConfig
-    from convert.hf_layout import NUMPY_DTYPES
-
     src, dst = Path(src), Path(dst)
     if dtype not in NUMPY_DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(NUMPY_DTYPES)}, got {dtype!r}")
+        raise CheckpointError(f"--dtype must be one of {sorted(NUMPY_DTYPES)}, got {dtype!r}")
+    if not src.is_dir():
+        raise CheckpointError(f"{src} is not a directory (an HF snapshot: config.json + safetensors + tokenizer)")
     check_destination(dst.absolute())
     cfg = ModelConfig.from_file(src)
-    hf_config = json.loads((src / "config.json").read_text())
     params = iter_params(src, cfg, NUMPY_DTYPES[dtype], progress(f"converting {src.name}"))
-    return save(dst, hf_config, params, dtype, tokenizer_dir=src)
+    return save(dst, read_json(src / "config.json"), params, dtype, tokenizer_dir=src)

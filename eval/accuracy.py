@@ -18,20 +18,19 @@ import numpy as np
 
 from acache_jax.acache import build_affix_cache
 from acache_jax.checkpoint import load
-from acache_jax.decode import CACHE_POLICIES, DecodeConfig, generate
+from acache_jax.config import CACHE_POLICIES, DecodeConfig, InputError
+from acache_jax.decode import generate
+from acache_jax.files import check_output_path, write_atomic
 from acache_jax.model import Model
 from eval.tasks import MAX_SHOTS, STUDY_TASKS, Example, eval_split, get_task
 from eval.tasks.babi import binding_stories
-from eval.tasks.layouts import GEN_LENGTH, PLACEMENTS, Placement, affix_ids, encoder, request
-
-FULL_RECOMPUTE = DecodeConfig(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, cache="dual")
+from eval.tasks.layouts import PLACEMENTS, Placement, affix_ids, encoder, request
 
 
-def answer_text(model: Model, tokens: Sequence[int]) -> str:
-    """The generated text up to the first end token."""
-    ids = [int(t) for t in tokens]
-    end = ids.index(model.config.eos_token_id) if model.config.eos_token_id in ids else len(ids)
-    return model.tokenizer.decode(ids[:end], skip_special_tokens=True)
+def full_recompute(model: Model) -> DecodeConfig:
+    """The reference every policy is measured against: the model's generation defaults with the
+    dual cache, which recomputes the affix in place at every block start."""
+    return model.decode_config(cache="dual")
 
 
 def _score(model: Model, questions: Sequence[Example], placement: Placement, affix_tokens: list[int] | None,
@@ -41,7 +40,7 @@ def _score(model: Model, questions: Sequence[Example], placement: Placement, aff
     affix = build_affix_cache(model, affix_tokens) if selective else affix_tokens
     requests = [request(encode, q, placement, seed=i) for i, q in enumerate(questions)]
     out = generate(model, requests, config, affix=affix, max_batch=max_batch)
-    return sum(q.score(answer_text(model, t)) for q, t in zip(questions, out.tokens)) / len(questions)
+    return sum(q.score(model.answer_text(t)) for q, t in zip(questions, out.tokens)) / len(questions)
 
 
 def _needs_tokenizer(model: Model) -> None:
@@ -50,9 +49,11 @@ def _needs_tokenizer(model: Model) -> None:
 
 
 def accuracy(model: Model, task: str, placement: Placement, shots: int, n: int, seed: int = 0,
-             config: DecodeConfig = FULL_RECOMPUTE, max_batch: int = 256) -> float:
-    """Fraction of n held-out questions answered correctly with the first `shots` examples as affix."""
+             config: DecodeConfig | None = None, max_batch: int = 256) -> float:
+    """Fraction of n held-out questions answered correctly with the first `shots` examples as affix
+    (config: default `full_recompute(model)`)."""
     _needs_tokenizer(model)
+    config = config or full_recompute(model)
     examples, questions = eval_split(get_task(task), seed, n)
     return _score(model, questions, placement, affix_ids(encoder(model.tokenizer), examples[:shots], placement),
                   config, max_batch)
@@ -64,13 +65,14 @@ def binding(model: Model, facts: Sequence[int] = (2, 3, 5), n: int = 128, seed: 
     _needs_tokenizer(model)
     rng = np.random.default_rng([seed, 2])
     return [{"facts": k, "ask": "first" if first else "last", "n": n,
-             "accuracy": _score(model, binding_stories(rng, n, k, first), "none", None, FULL_RECOMPUTE, n)}
+             "accuracy": _score(model, binding_stories(rng, n, k, first), "none", None, full_recompute(model), n)}
             for k in facts for first in (True, False)]
 
 
-def grid(model: Model, tasks: Sequence[str], n: int, seed: int = 0, config: DecodeConfig = FULL_RECOMPUTE,
+def grid(model: Model, tasks: Sequence[str], n: int, seed: int = 0, config: DecodeConfig | None = None,
          report=print) -> list[dict[str, Any]]:
     """Every task without affix (unless the policy needs one) and with 1..MAX_SHOTS examples in each placement."""
+    config = config or full_recompute(model)
     rows = []
     for task in tasks:
         settings = [("none", 0)] * (not config.selective)
@@ -82,7 +84,7 @@ def grid(model: Model, tasks: Sequence[str], n: int, seed: int = 0, config: Deco
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.accuracy", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--tasks", default=",".join(STUDY_TASKS))
@@ -91,16 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", choices=CACHE_POLICIES, default="dual")
     p.add_argument("--json", type=Path, help="also write the grid here")
     p.add_argument("--binding", action="store_true", help="also run the bAbI name-binding probe")
-    args = p.parse_args(argv)
-    model = load(args.model)
-    config = DecodeConfig(gen_length=GEN_LENGTH, block_length=GEN_LENGTH, cache=args.cache)
-    rows = grid(model, args.tasks.split(","), args.n, args.seed, config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        if args.json:
+            check_output_path(args.json)
+        model = load(args.model)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = grid(model, args.tasks.split(","), args.n, args.seed, model.decode_config(cache=args.cache))
     if args.binding:
         for row in binding(model, n=args.n, seed=args.seed):
             rows.append({"task": "babi-binding", **row})
             print(json.dumps(rows[-1]))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        write_atomic(args.json, json.dumps(rows, indent=2))
     return 0
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from acache_jax.checkpoint import load
-from eval.accuracy import FULL_RECOMPUTE, accuracy
+from acache_jax.files import write_atomic
+from eval.accuracy import accuracy, full_recompute
 from eval.tasks import STUDY_TASKS
 
 PLACEMENTS = ("prefix", "infix", "suffix")
@@ -54,9 +55,10 @@ def sweep(model_dirs: list[Path], tasks: list[str], placements: list[str], shots
     """One row per (model, task, placement, shots, policy) not in `done`, as each is measured."""
     for model_dir in model_dirs:
         model = load(model_dir)
+        full = full_recompute(model)
         for task in tasks:
-            grid = [("none", 0, "full", FULL_RECOMPUTE)]
-            grid += [(placement, k, policy, dataclasses.replace(FULL_RECOMPUTE, **overrides))
+            grid = [("none", 0, "full", full)]
+            grid += [(placement, k, policy, dataclasses.replace(full, **overrides))
                      for placement in placements for k in shots
                      for policy, overrides in settings(ratios, ablation).items()]
             for placement, k, policy, config in grid:
@@ -122,7 +124,7 @@ def plots(rows: list[dict[str, Any]], ratios: list[float], ablation: float, out:
         ax.set(title=f"{model} / {task}", xlabel="anchor ratio", ylabel="accuracy", ylim=(-0.02, 1.02))
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "fig4_ratio.png", dpi=110)
+    write_atomic(out / "fig4_ratio.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
 
     for name, policy, label in (("fig5_selectors.png", f"hkvd@{a}", "hkvd"),
@@ -139,11 +141,11 @@ def plots(rows: list[dict[str, Any]], ratios: list[float], ablation: float, out:
             ax.set(title=f"{model} / {task}", ylabel="accuracy", ylim=(0, 1.02))
         axes[0][0].legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
+        write_atomic(out / name, lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
         plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.affix_sweep", description=__doc__.splitlines()[0])
     p.add_argument("--models", help="comma-separated model directories")
     p.add_argument("--merge", help="comma-separated output directories of earlier runs (shards): combine their "
@@ -160,20 +162,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--resume", action="store_true", help="keep the rows of OUT/sweep.json (same --ratios, -n, "
                    "--seed, --worlds) and measure only the rest")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     ratios = [float(r) for r in args.ratios.split(",")]
     if 0.0 not in ratios:
         p.error("--ratios must include 0 (direct reuse): the summary measures the gap from it")
     if (args.models is None) == (args.merge is None):
         p.error("give either --models or --merge")
+    if (args.out / "sweep.json").is_file() and not args.resume:
+        p.error(f"{args.out / 'sweep.json'} exists: pass --resume to keep its rows (and measure or merge only "
+                "the rest), or choose another --out")
     args.out.mkdir(parents=True, exist_ok=True)
-    write = lambda rows: (args.out / "sweep.json").write_text(
-        json.dumps(dict(ratios=ratios, n=args.n, seed=args.seed, worlds=args.worlds, rows=rows), indent=1))
+    write = lambda rows: write_atomic(args.out / "sweep.json", json.dumps(
+        dict(ratios=ratios, n=args.n, seed=args.seed, worlds=args.worlds, rows=rows), indent=1))
+    own = [args.out / "sweep.json"] if args.resume and (args.out / "sweep.json").is_file() else []
     if args.merge:
-        rows = merge([Path(d) / "sweep.json" for d in args.merge.split(",")], ratios, args.n, args.seed, args.worlds)
+        rows = merge(own + [Path(d) / "sweep.json" for d in args.merge.split(",")], ratios, args.n, args.seed,
+                     args.worlds)
     else:  # written after every row, so a run that is stopped keeps what it measured
-        rows = merge([args.out / "sweep.json"], ratios, args.n, args.seed, args.worlds) if args.resume and (
-            args.out / "sweep.json").is_file() else []
+        rows = merge(own, ratios, args.n, args.seed, args.worlds)
         for row in sweep([Path(m) for m in args.models.split(",")], args.tasks.split(","),
                          args.placements.split(","), [int(k) for k in args.shots.split(",")], ratios,
                          args.ablation_ratio, args.n, args.seed, frozenset(map(_key, rows)), args.worlds):
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
             write(rows)
     write(rows)
-    (args.out / "RESULTS_table.md").write_text(summary_table(rows, args.ablation_ratio) + "\n")
+    write_atomic(args.out / "RESULTS_table.md", summary_table(rows, args.ablation_ratio) + "\n")
     if not args.no_plots:
         plots(rows, ratios, args.ablation_ratio, args.out)
     print(summary_table(rows, args.ablation_ratio))

@@ -20,13 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from acache_jax.acache import anchor_count, build_affix_cache, hkvd_deviation, probe_importance
+from acache_jax.acache import build_affix_cache, hkvd_deviation, probe_importance
 from acache_jax.checkpoint import load
+from acache_jax.config import anchor_count
 from acache_jax.layout import make_batch
 from acache_jax.model import Model
+from acache_jax.files import write_atomic
 from eval.tasks import eval_split, get_task
 from eval.tasks.base import words
-from eval.tasks.layouts import GEN_LENGTH, affix_ids, encoder, request
+from eval.tasks.layouts import affix_ids, encoder, request
 
 BINDING = 4  # tokens of "wug means blue ."
 
@@ -40,7 +42,8 @@ def analyse(model: Model, placement: str, shots: int, n: int, ratio: float, seed
     examples, questions = eval_split(get_task("codebook"), seed, n)
     affix = affix_ids(encode, examples[:shots], placement)
     cache = build_affix_cache(model, affix)
-    batch = make_batch([request(encode, q, placement, i) for i, q in enumerate(questions)], GEN_LENGTH,
+    batch = make_batch([request(encode, q, placement, i) for i, q in enumerate(questions)],
+                       model.generation_config.gen_length,
                        model.config, affix)
     scores = {"attention": probe_importance(model.graphdef, model.params, batch, cache, model.config.mask_token_id),
               "hkvd": hkvd_deviation(model.graphdef, model.params, batch, cache)}
@@ -65,7 +68,7 @@ def analyse(model: Model, placement: str, shots: int, n: int, ratio: float, seed
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.anchor_analysis", description=__doc__.splitlines()[0])
     p.add_argument("--models", required=True, help="comma-separated model directories")
     p.add_argument("--placements", default="prefix,infix,suffix")
@@ -74,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the rows here")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     rows = []
     print("| model | placement | shots | K / L | colour in anchors: attention / hkvd | any binding token in "
           "anchors: attention / hkvd | score on the binding: attention / hkvd |\n|---|---|---|---|---|---|---|")
@@ -90,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{a['binding_in_anchors']:.0%} / {h['binding_in_anchors']:.0%} | "
                       f"{a['binding_share']:.0%} / {h['binding_share']:.0%} |", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        write_atomic(args.json, json.dumps(rows, indent=1))
     return 0
 
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from acache_jax.files import write_atomic
 from pallas_kernels import anchor_importance, gathered_attention, rope
 
 PAGE = 16  # slots per pool block in the benchmark's slot maps
@@ -115,7 +116,8 @@ def check_decode() -> dict:
 
     from acache_jax.acache import build_affix_cache
     from acache_jax.config import ModelConfig
-    from acache_jax.decode import DecodeConfig, generate
+    from acache_jax.config import DecodeConfig
+    from acache_jax.decode import generate
     from acache_jax.layout import Request
     from acache_jax.model import Model, Transformer
 
@@ -292,7 +294,7 @@ def main(argv=None) -> None:
                             [int(t) for t in args.tks.split(",")])
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_attention.json").write_text(json.dumps(result, indent=1))
+        write_atomic(args.out / "bench_attention.json", json.dumps(result, indent=1))
     if "check" in result:
         print("check:", "all ok" if all(r["ok"] for r in result["check"]) else "FAILURES")
     print(table(result["bench"]))

@@ -30,9 +30,11 @@ from flax import nnx
 from acache_jax.acache import build_affix_cache, select_anchors_jit
 from acache_jax.attention import KVView, cudnn_attention, dense_attention
 from acache_jax.config import ModelConfig
-from acache_jax.decode import DecodeConfig, decode_batch
+from acache_jax.config import DecodeConfig
+from acache_jax.decode import decode_batch
 from acache_jax.layout import Request, make_batch
 from acache_jax.model import Model, abstract_transformer, forward
+from acache_jax.files import write_atomic
 
 PEAK_TFLOPS = 800.0  # bf16 dense matmul measured on one H200 (8192^3 product, random data)
 
@@ -201,7 +203,7 @@ def main() -> None:
               f"{r['mfu']:.2f} | {r.get('tokens_per_s', float('nan')):.0f} | {r.get('nfe', '')} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_decode.json").write_text(json.dumps(results, indent=1))
+        write_atomic(args.out / "bench_decode.json", json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ import jax
 import numpy as np
 
 from acache_jax.config import ModelConfig
-from acache_jax.decode import DecodeConfig
+from acache_jax.config import DecodeConfig
 from acache_jax.engine import Engine
 from acache_jax.layout import Request
+from acache_jax.files import write_atomic
 from eval.bench_decode import PEAK_TFLOPS, forward_flops, llada_8b, random_model
 
 SHOT_TOKENS = 230
@@ -163,7 +164,7 @@ def main(argv=None) -> None:
         print(json.dumps({"t": round(time.perf_counter() - start, 1), **rows[-1]}), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_engine.json").write_text(json.dumps(dict(jax=jax.__version__, rows=rows), indent=1))
+        write_atomic(args.out / "bench_engine.json", json.dumps(dict(jax=jax.__version__, rows=rows), indent=1))
     print(table(rows))
 
 

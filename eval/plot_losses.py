@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from acache_jax.files import write_atomic
+
 
 def plot_losses(losses_json: str | Path, png: str | Path, smooth: int = 50) -> None:
     """The loss curve (per step, and a moving average) as a PNG."""
@@ -28,7 +30,7 @@ def plot_losses(losses_json: str | Path, png: str | Path, smooth: int = 50) -> N
     ax.set(xlabel="step", ylabel="masked-diffusion loss", yscale="log", title=Path(losses_json).parent.name)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    write_atomic(png, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     plt.close(fig)
 
 

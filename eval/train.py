@@ -35,9 +35,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from acache_jax.config import ModelConfig
+from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.model import Transformer
-from convert.export_hf import export_hf
+from acache_jax.files import write_atomic
+from acache_jax.hf_checkpoint import export_hf
 from eval.tasks import STUDY_TASKS
 from eval.tasks.layouts import GEN_LENGTH
 from eval.tokenizer import build_tokenizer, save_tokenizer, special_ids
@@ -181,9 +182,7 @@ def train_step(graphdef: nnx.GraphDef, recipe: Recipe, mask_id: int, state: Trai
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(obj, indent=1))
 
 
 def _settings(out: Path, settings: dict) -> None:
@@ -269,7 +268,8 @@ def train(family: str, out: str | Path, recipe: Recipe = Recipe(), *, seed: int 
     if len(losses) > start:
         print(f"{len(losses) - start} steps in {seconds:.1f}s ({(len(losses) - start) / seconds:.2f} steps/s, "
               f"compilation included)", file=sys.stderr)
-    export_hf(out, cfg, state.params)
+    export_hf(out, cfg, state.params, generation=DecodeConfig(gen_length=recipe.gen_length,
+                                                              block_length=recipe.gen_length))
     return cfg, state.params
 
 
@@ -281,7 +281,7 @@ def parse_mixture(tasks: str, weights: str | None, max_shots: int) -> Mixture:
     return Mixture(names, values, max_shots)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.train", description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=sorted(SIZES), required=True)
     p.add_argument("--out", type=Path, required=True, help="output directory (the exported HF model and logs)")
@@ -314,8 +314,11 @@ def main(argv: list[str] | None = None) -> int:
                    "python -m eval.plot_losses OUT/losses.json)")
     p.add_argument("--eval-n", type=int, default=0, help="held-out questions per setting to score after training")
     p.add_argument("--eval-tasks", default=",".join(STUDY_TASKS))
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     mixture = parse_mixture(args.tasks, args.weights, args.max_shots)
     dtype = args.compute_dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     recipe = Recipe(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, compute_dtype=dtype,

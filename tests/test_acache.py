@@ -10,8 +10,9 @@ from flax import nnx
 
 import acache_jax
 from acache_jax.acache import build_affix_cache, probe_importance
-from acache_jax.decode import DecodeConfig, generate
-from acache_jax.layout import Request, RequestError, make_batch
+from acache_jax.config import DecodeConfig, InputError
+from acache_jax.decode import generate
+from acache_jax.layout import Request, make_batch
 
 AFFIX = list(range(30, 54))  # 24 tokens
 REQUESTS = [
@@ -173,23 +174,23 @@ def test_drop_non_anchor_differs_and_keeps_anchors(model, cache):
 
 def test_bad_input(model, cache, fixtures_dir):
     acache = DecodeConfig(cache="acache", **BASE)
-    with pytest.raises(RequestError, match="the affix is empty"):
+    with pytest.raises(InputError, match="the affix is empty"):
         build_affix_cache(model, [])
-    with pytest.raises(RequestError, match="more than the model's context"):
+    with pytest.raises(InputError, match="more than the model's context"):
         build_affix_cache(model, [1] * (model.config.max_seq_len + 1))
-    with pytest.raises(RequestError, match="exceeds the model's context"):
+    with pytest.raises(InputError, match="exceeds the model's context"):
         generate(model, [Request([1] * 230, affix_position="prefix")], acache, affix=cache)
-    with pytest.raises(RequestError, match=r"anchor ratio must be in \[0, 1\]"):
+    with pytest.raises(InputError, match=r"anchor ratio must be in \[0, 1\]"):
         generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=1.5, **BASE), affix=cache)
-    with pytest.raises(RequestError, match="infix affix needs a prompt tail"):
+    with pytest.raises(InputError, match="infix affix needs a prompt tail"):
         generate(model, [Request([1, 2], affix_position="infix")], acache, affix=cache)
-    with pytest.raises(RequestError, match="affix_position 'prefix' given but no affix"):
+    with pytest.raises(InputError, match="affix_position 'prefix' given but no affix"):
         generate(model, REQUESTS, acache)
-    with pytest.raises(RequestError, match="cache policy 'acache' needs an affix"):
+    with pytest.raises(InputError, match="cache policy 'acache' needs an affix"):
         generate(model, [Request([1, 2])], acache)
-    with pytest.raises(RequestError, match="every request needs an affix_position"):
+    with pytest.raises(InputError, match="every request needs an affix_position"):
         generate(model, [Request([1, 2])], acache, affix=cache)
     other = acache_jax.load(fixtures_dir / "models" / ("llada_mha" if model.config.family == "llada" else "dream_gqa"),
                             dtype="float32")
-    with pytest.raises(RequestError, match="built with another model"):
+    with pytest.raises(InputError, match="built with another model"):
         generate(other, [Request([1, 2], affix_position="prefix")], acache, affix=cache)

@@ -1,13 +1,15 @@
 """eval.affix_sweep on a tiny untrained model: the grid, its invariants, the table and the figures."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from flax import nnx
 
+from acache_jax.config import DecodeConfig
 from acache_jax.model import Transformer
-from convert.export_hf import export_hf
+from acache_jax.hf_checkpoint import export_hf
 from eval import affix_sweep
 from eval.affix_sweep import main
 from eval.tokenizer import build_tokenizer, save_tokenizer, special_ids
@@ -19,7 +21,8 @@ def test_sweep_smoke(tmp_path):
     cfg = model_config("llada", tokenizer.get_vocab_size(), special_ids(tokenizer), tiny=True)
     model_dir = tmp_path / "tiny"
     save_tokenizer(tokenizer, model_dir)
-    export_hf(model_dir, cfg, nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1], dtype="float32")
+    export_hf(model_dir, cfg, nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1], dtype="float32",
+              generation=DecodeConfig(gen_length=32, block_length=32))
     out = tmp_path / "sweep"
     assert main(["--models", str(model_dir), "--tasks", "codebook", "--placements", "prefix,suffix", "--shots", "1",
                  "--ratios", "0,1", "-n", "4", "--out", str(out)]) == 0
@@ -67,7 +70,10 @@ def test_merge_combines_shards_and_checks_settings(tmp_path):
     assert "| m | codebook | suffix | 1 | 0.10 | 0.20 |" in table
     shard("c", [], n=8)
     with pytest.raises(SystemExit, match="same --ratios"):
-        main(["--merge", str(tmp_path / "c"), "--ratios", "0,1", "-n", "4", "--out", str(out)])
+        main(["--merge", str(tmp_path / "c"), "--ratios", "0,1", "-n", "4", "--out", str(tmp_path / "other")])
+    with pytest.raises(SystemExit):  # an existing sweep is not overwritten without --resume
+        main(["--merge", f"{tmp_path / 'a'}", "--ratios", "0,1", "-n", "4", "--out", str(out)])
+    assert len(json.loads((out / "sweep.json").read_text())["rows"]) == 5
 
 
 def test_worlds_average_each_setting_over_consecutive_seeds(monkeypatch, tmp_path):
@@ -78,7 +84,7 @@ def test_worlds_average_each_setting_over_consecutive_seeds(monkeypatch, tmp_pat
         return seed / 10
 
     monkeypatch.setattr(affix_sweep, "accuracy", fake_accuracy)
-    monkeypatch.setattr(affix_sweep, "load", lambda path: None)
+    monkeypatch.setattr(affix_sweep, "load", lambda path: SimpleNamespace(decode_config=DecodeConfig().replace))
     rows = list(affix_sweep.sweep([tmp_path / "m"], ["codebook"], ["prefix"], [1], [0.0], 0.2, n=4, seed=3, worlds=2))
     assert len(rows) == 1 + 4  # no affix; full, acache@0, dropna, hkvd
     assert all(r["accuracy"] == pytest.approx(0.35) for r in rows)  # mean of seeds 3 and 4

@@ -111,7 +111,7 @@ def test_existing_nonempty_destination_is_left_alone(tmp_path):
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
     run = subprocess.run([sys.executable, "-m", "convert", str(src), str(dst)], cwd=ROOT, capture_output=True, text=True)
-    assert run.returncode == 1
+    assert run.returncode == 2
     assert "exists and is not an empty directory" in run.stderr
     assert [p.name for p in dst.iterdir()] == ["keep.txt"]
     assert [p.name for p in tmp_path.iterdir() if ".partial-" in p.name] == []
@@ -125,7 +125,7 @@ def test_empty_destination_directory_is_used(tmp_path):
 
 
 def test_load_rejects_non_model_directory(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(acache_jax.InputError, match="does not exist"):
         acache_jax.load(tmp_path / "nope")
     with pytest.raises(ConfigError, match="no config.json"):
         acache_jax.load(tmp_path)

@@ -5,7 +5,8 @@ import pytest
 
 import acache_jax
 from acache_jax import decode
-from acache_jax.decode import DecodeConfig, DecodeError, generate
+from acache_jax.config import DecodeConfig, DecodeError
+from acache_jax.decode import generate
 from acache_jax.layout import Request, RequestError
 
 PROMPTS = [[5, 17, 33, 2, 90], [11, 3, 3, 64, 101, 7, 45, 19, 8, 100, 2], [23, 99], [1, 2, 3, 4, 5, 6, 7]]

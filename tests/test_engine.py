@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 import acache_jax
-from acache_jax.decode import DecodeConfig, DecodeError, generate
+from acache_jax.config import DecodeConfig, DecodeError
+from acache_jax.decode import generate
 from acache_jax.engine import Engine, RequestTooLargeError, runner
 from acache_jax.layout import Request
 
@@ -93,3 +94,20 @@ def test_engine_kernel_path_equals_xla(fixtures_dir):
     for xla, pallas in zip(*outs):
         assert pallas.tokens.tolist() == xla.tokens.tolist()
         assert pallas.anchors.tolist() == xla.anchors.tolist()
+
+
+def test_results_are_handed_out_once(fixtures_dir):
+    """generate() returns what it was asked; requests queued before keep running and the next run()
+    hands them out; nothing handed out is kept."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="dual")
+    engine = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=4)
+    early = [engine.add(r) for r in (Request([1, 2, 3], seed=1), Request([4, 5], seed=2))]
+    mine = engine.generate([Request([7, 8, 9], seed=3)])
+    assert len(mine) == 1 and mine[0].request_id not in early
+    later = engine.run()
+    assert sorted(r.request_id for r in later) == early
+    assert engine.run() == [] and engine.scheduler.idle
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    alone = generate(model, [Request([1, 2, 3], seed=1), Request([4, 5], seed=2)], cfg)
+    assert [r.tokens.tolist() for r in later] == [t.tolist() for t in alone.tokens]

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acache_jax.acache import anchor_count
+from acache_jax.config import anchor_count
 from acache_jax.config import ModelConfig
 from acache_jax.engine.block_manager import BlockManager, PoolFullError
 from acache_jax.engine.scheduler import RequestTooLargeError, Scheduler

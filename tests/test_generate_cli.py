@@ -66,16 +66,17 @@ def test_jsonl_batch_overrides_and_order(capsys, model_dir, tmp_path):
 
 
 def test_chat_template_and_text(capsys, model_with_tokenizer):
-    from acache_jax.checkpoint import load_tokenizer
+    from acache_jax.checkpoint import load
     from acache_jax.generate import _encode, parser
 
-    tok = load_tokenizer(model_with_tokenizer)
+    model = load(model_with_tokenizer)
+    tok = model.tokenizer
     chat, plain = parser().parse_args([]), parser().parse_args(["--no-chat"])
-    assert _encode({"prompt": "w1 w2 w3"}, chat, tok) == ([2, 5, 6, 7, 3], None, [])  # USER w1 w2 w3 ASSISTANT
-    assert _encode({"prompt": "w1 w2 w3"}, plain, tok)[0] == [5, 6, 7]
-    assert _encode({"prompt": "w1", "prompt_ids": [9, 8]}, chat, tok)[0] == [9, 8]  # raw ids: no template
+    assert _encode({"prompt": "w1 w2 w3"}, chat, model) == ([2, 5, 6, 7, 3], None, [])  # USER w1 w2 w3 ASSISTANT
+    assert _encode({"prompt": "w1 w2 w3"}, plain, model)[0] == [5, 6, 7]
+    assert _encode({"prompt": "w1", "prompt_ids": [9, 8]}, chat, model)[0] == [9, 8]  # raw ids: no template
     # with an affix, every piece is a plain span: no template, no BOS
-    assert _encode({"prompt": "w1", "affix": "w2 w3", "prompt_tail": "w4"}, chat, tok) == ([5], [6, 7], [8])
+    assert _encode({"prompt": "w1", "affix": "w2 w3", "prompt_tail": "w4"}, chat, model) == ([5], [6, 7], [8])
     code, out, err = _run(capsys, "--model", model_with_tokenizer, "--prompt", "w1 w2 w3", "--json", *FAST)
     assert code == 0, err
     row = json.loads(out)
@@ -129,4 +130,5 @@ def test_module_entry_point(model_dir):
     run = subprocess.run([sys.executable, "-m", "acache_jax.generate", "--model", model_dir, "--prompt-ids", "3,4",
                           "--cache", "prefix", *FAST], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert "nfe" in run.stdout
+    assert len(run.stdout.split()) == 16 and "nfe" not in run.stdout  # the answer (ids: no tokenizer) on stdout
+    assert run.stderr.startswith("[nfe ")  # the statistics on stderr

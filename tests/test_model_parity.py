@@ -56,7 +56,7 @@ def test_dream_logits_are_shifted(fixtures_dir):
 
 def test_logits_rejects_bad_ids(fixtures_dir):
     model = acache_jax.load(fixtures_dir / "models" / "llada_mha", dtype="float32")
-    with pytest.raises(ValueError, match=r"int array \[B, T\]"):
+    with pytest.raises(ValueError, match=r"integer token ids shaped \[B, T\]"):
         model.logits(np.zeros((3,), np.int32))
-    with pytest.raises(ValueError, match=r"int array \[B, T\]"):
+    with pytest.raises(ValueError, match=r"integer token ids shaped \[B, T\]"):
         model.logits(np.zeros((1, 3), np.float32))

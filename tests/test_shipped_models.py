@@ -58,8 +58,8 @@ def test_generate_uses_the_shipped_llada_model_by_default():
     assert DEFAULT_MODEL == MODELS / "llada-small"
     prompt = ("Story: Mary moved to the bathroom. John went to the hallway. Mary travelled to the garden. "
               "Question: Where is Mary? Answer with one location:")
-    run = subprocess.run([sys.executable, "-m", "acache_jax.generate", "--prompt", prompt, "--gen-length", "32",
-                          "--json"], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "acache_jax.generate", "--prompt", prompt, "--json"],
+                         capture_output=True, text=True, timeout=300)  # no flag but --prompt: the model's defaults
     assert run.returncode == 0, run.stderr
     assert json.loads(run.stdout)["text"].strip() == "garden"
 

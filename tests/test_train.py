@@ -11,9 +11,9 @@ from flax import nnx
 from safetensors import safe_open
 
 import acache_jax
-from acache_jax.config import ModelConfig
+from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.model import Model, Transformer
-from convert.export_hf import export_hf, hf_config
+from acache_jax.hf_checkpoint import export_hf, hf_config
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.plot_losses import plot_losses
 from eval.train import (SIZES, Recipe, TrainState, corrupt, initial_model, model_config, optimizer,
@@ -187,16 +187,18 @@ def test_shipped_sizes_fit_ten_megabytes(family):
 
 
 def test_accuracy_scores_generated_answers(tmp_path):
-    from eval.accuracy import accuracy, answer_text, binding
+    from eval.accuracy import accuracy, binding
     from eval.tokenizer import save_tokenizer
 
     tokenizer = build_tokenizer()
     cfg = dataclasses.replace(_tiny("llada"), **special_ids(tokenizer))
     save_tokenizer(tokenizer, tmp_path)
-    export_hf(tmp_path, cfg, nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1], dtype="float32")
+    export_hf(tmp_path, cfg, nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1], dtype="float32",
+              generation=DecodeConfig(gen_length=32, block_length=32))
     model = acache_jax.load(tmp_path)
+    assert model.generation_config.gen_length == 32
     eos, bathroom = model.config.eos_token_id, tokenizer.token_to_id("bathroom")
-    assert answer_text(model, [bathroom, eos, bathroom]) == "bathroom"
+    assert model.answer_text([bathroom, eos, bathroom]) == "bathroom"
     assert accuracy(model, "babi", "suffix", 1, 2) in (0.0, 0.5, 1.0)
     rows = binding(model, facts=(2,), n=2)
     assert [(r["facts"], r["ask"]) for r in rows] == [(2, "first"), (2, "last")]

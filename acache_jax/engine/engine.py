@@ -20,13 +20,13 @@ from collections.abc import Sequence as Seq
 import jax
 import numpy as np
 
-from acache_jax.acache import build_affix_cache
-from acache_jax.decode import DecodeConfig, DecodeError
+from acache_jax.acache import AffixCache, build_affix_cache, check_affix_cache
+from acache_jax.config import DecodeConfig, DecodeError, resolve_decode_config
 from acache_jax.engine import runner
 from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.scheduler import Scheduler
 from acache_jax.engine.sequence import Sequence
-from acache_jax.layout import Request, batch_bucket, bucket, check_requests
+from acache_jax.layout import Request, affix_token_ids, batch_bucket, bucket, check_requests
 from acache_jax.model import Model
 
 ENGINE_POLICIES = {"dual": "baseline", "acache": "acache", "direct": "acache"}
@@ -76,18 +76,26 @@ def _per_row(values: list, count: int, dtype) -> np.ndarray:
     return np.asarray(list(values) + [0] * (count - len(values)), dtype)
 
 
+def check_engine_config(config: DecodeConfig) -> None:
+    """The decoding settings the engine runs (a subset of the static path's)."""
+    if config.cache not in ENGINE_POLICIES:
+        raise DecodeError(f"the engine runs the cache policies {tuple(ENGINE_POLICIES)}, not {config.cache!r}")
+    if config.cfg_scale > 0:
+        raise DecodeError("classifier-free guidance is not supported by the engine")
+    if config.selective and config.selector not in ("attention", "bottom"):
+        raise DecodeError(f"the engine selects anchors with 'attention' or 'bottom', not {config.selector!r}")
+
+
 class Engine:
     """Continuous-batching engine over a paged KV pool (see the module docstring)."""
 
-    def __init__(self, model: Model, config: DecodeConfig = DecodeConfig(), *, pool_tokens: int | None = None,
+    def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
                  block_size: int = 16, max_batch: int = 16):
-        config.validate()
-        if config.cache not in ENGINE_POLICIES:
-            raise DecodeError(f"the engine runs the cache policies {tuple(ENGINE_POLICIES)}, not {config.cache!r}")
-        if config.cfg_scale > 0:
-            raise DecodeError("classifier-free guidance is not supported by the engine")
-        if config.selective and config.selector not in ("attention", "bottom"):
-            raise DecodeError(f"the engine selects anchors with 'attention' or 'bottom', not {config.selector!r}")
+        config = resolve_decode_config(config, model.generation_config)
+        for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise DecodeError(f"{name} must be a positive integer, got {value!r}")
+        check_engine_config(config)
         self.model, self.config = model, config
         self._params, treedef = jax.tree.flatten(model.params)
         self._structure = runner.structure(model.graphdef, treedef)
@@ -98,38 +106,53 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_batch)
         self.pool = runner.new_pool(model.config, num_blocks * block_size, model.dtype)
         self.stats = EngineStats()
-        self._affixes: dict[tuple[int, ...], list[int]] = {}
-        self._results: dict[int, EngineResult] = {}
+        self._affixes: dict[tuple[int, ...], list[int] | AffixCache] = {}
+        self._held: dict[int, EngineResult] = {}  # finished during generate() but not asked for there
         self._next_id = 0
         self._finished_last_step: list[Sequence] = []
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def add(self, request: Request, affix: Seq[int] | None = None) -> int:
-        """Queue a request (its affix, if any, as token ids); returns its id."""
+    def add(self, request: Request, affix: Seq[int] | AffixCache | None = None) -> int:
+        """Queue a request (its affix, if any, as token ids or a built `AffixCache`); returns its id."""
         cfg, mcfg = self.config, self.model.config
-        affix = None if affix is None else [int(t) for t in affix]
-        check_requests([request], cfg.gen_length, mcfg, affix)
+        if isinstance(affix, AffixCache):
+            check_affix_cache(self.model, affix)
+        affix_ids = None if affix is None else affix_token_ids(affix)
+        check_requests([request], cfg.gen_length, mcfg, affix_ids)
         if cfg.selective and request.affix_position is None:
             raise DecodeError(f"cache policy {cfg.cache!r}: the request needs an affix_position")
-        seq = Sequence.from_request(self._next_id, request, affix if request.affix_position else None,
+        seq = Sequence.from_request(self._next_id, request, affix_ids if request.affix_position else None,
                                     cfg.gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)
         k = cfg.anchors(seq.affix_len) if seq.shares_affix else 0
         self.scheduler.add(seq, k)
-        if seq.shares_affix:
-            self._affixes[seq.affix_key] = affix
+        if seq.shares_affix and not isinstance(self._affixes.get(seq.affix_key), AffixCache):
+            self._affixes[seq.affix_key] = affix if isinstance(affix, AffixCache) else affix_ids
         self._next_id += 1
         return seq.request_id
 
-    def generate(self, requests: Seq[Request], affix: Seq[int] | None = None) -> list[EngineResult]:
-        """Queue `requests` (sharing `affix`) and run until all are done; results in input order."""
+    def generate(self, requests: Seq[Request], affix: Seq[int] | AffixCache | None = None) -> list[EngineResult]:
+        """Queue `requests` (sharing `affix`) and step until they are done; their results in input order.
+
+        Requests queued earlier with `add` keep running alongside; those that finish meanwhile are
+        held for the next `run()`, which hands them out.
+        """
         ids = [self.add(r, affix) for r in requests]
-        self.run()
-        return [self._results.pop(i) for i in ids]
+        wanted, got = set(ids), {}
+        while len(got) < len(wanted):
+            for res in self.step():
+                (got if res.request_id in wanted else self._held)[res.request_id] = res
+        if self.scheduler.idle:
+            self._release_finished()
+        return [got[i] for i in ids]
 
     def run(self, progress: bool = False) -> list[EngineResult]:
-        """Step until every queued request is done; the results of this run in id order."""
-        start, done = time.perf_counter(), []
+        """Step until every queued request is done; every result not yet handed out, in id order.
+
+        The engine keeps no result it has handed out (from here, `generate` or `step`).
+        """
+        done = list(self._held.values())
+        self._held.clear()
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -142,18 +165,21 @@ class Engine:
                 bar.update(len(finished))
         if bar is not None:
             bar.close()
-        self.stats.seconds += time.perf_counter() - start
         return sorted(done, key=lambda r: r.request_id)
 
     # -- one iteration ----------------------------------------------------------------------------
 
     def step(self) -> list[EngineResult]:
         """Admit, probe, recompute block starts, one decode step; returns the requests that finished."""
+        start = time.perf_counter()
+        finished = self._step()
+        self.stats.seconds += time.perf_counter() - start
+        return finished
+
+    def _step(self) -> list[EngineResult]:
         mask_id = self.model.config.mask_token_id
         admitted = self.scheduler.admit()
-        for seq in self._finished_last_step:  # their affix stayed resident for this admission
-            self.scheduler.release_affix(seq)
-        self._finished_last_step = []
+        self._release_finished()  # their affix stayed resident for this admission
         for seq in admitted:
             if seq.affix_is_new:
                 self._fill_affix(seq)
@@ -172,23 +198,33 @@ class Engine:
         if decoding:
             self._decode(decoding)
         finished = []
+        eos = self.model.config.eos_token_id
         for seq in list(self.scheduler.running):
-            if not masked(seq) and not seq.advance_block():
+            if masked(seq):
+                continue
+            ended = self.config.early_stop and (seq.token_ids[seq.block_columns] == eos).all()
+            if ended:  # the rest of the generation is end-of-text, uncomputed
+                seq.token_ids[seq.block_start + seq.block_length:seq.gen_start + seq.gen_length] = eos
+            if ended or not seq.advance_block():
                 self.scheduler.finish(seq, release_affix=False)
                 self._finished_last_step.append(seq)
                 finished.append(self._result(seq))
         return finished
 
+    def _release_finished(self) -> None:
+        for seq in self._finished_last_step:
+            self.scheduler.release_affix(seq)
+        self._finished_last_step = []
+
     def _result(self, seq: Sequence) -> EngineResult:
         cfg = self.config
         tokens = seq.token_ids[seq.gen_start:seq.gen_start + cfg.gen_length].copy()
         self.stats.generated_tokens += len(tokens)
-        result = EngineResult(seq.request_id, tokens, seq.anchors.copy(), seq.nfe + int(seq.probed))
-        self._results[seq.request_id] = result
-        return result
+        return EngineResult(seq.request_id, tokens, seq.anchors.copy(), seq.nfe + int(seq.probed))
 
     def _fill_affix(self, seq: Sequence) -> None:
-        cache = build_affix_cache(self.model, self._affixes[seq.affix_key])
+        affix = self._affixes[seq.affix_key]
+        cache = affix if isinstance(affix, AffixCache) else build_affix_cache(self.model, affix)
         self.pool = runner.fill_affix(self.pool, cache, jax.numpy.asarray(seq.shared_slots),
                                       self.model.config.rope_theta)
         self.stats.affix_fills += 1

@@ -19,8 +19,7 @@ from flax import nnx
 from acache_jax import sampling
 from acache_jax.acache import AffixCache
 from acache_jax.attention import KVView
-from acache_jax.config import ModelConfig
-from acache_jax.decode import DecodeConfig, commit_block
+from acache_jax.config import DecodeConfig, ModelConfig
 from pallas_kernels import rope
 
 
@@ -89,7 +88,8 @@ class CommitInputs:
         keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(self.seeds, self.nfe)
         masked0 = jnp.arange(self.block.shape[1])[None] < self.masked_at_start[:, None]
         sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
-        return commit_block(self.block, logits, self.step, keys, sched, cfg, mcfg, block_start)
+        return sampling.commit_block(self.block, logits, self.step, keys, sched, cfg.sampler(mcfg),
+                                     cfg.steps_per_block, block_start)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -1,26 +1,35 @@
-"""Reading HF LLaDA / Dream safetensors checkpoints into our parameter layout, one tensor at a time.
+"""The HF LLaDA / Dream checkpoint layout, both ways: safetensors -> our parameters, one tensor at
+a time (what `load` and the converter read), and our parameters -> an HF directory (`export_hf`).
 
 Every tensor name, shape and file is checked from the safetensors headers before any data is read,
-so a bad checkpoint fails with one error that lists every problem, having loaded nothing.
+so a bad checkpoint fails with one error that lists every problem, having loaded nothing. Exports
+write each file to a temporary name renamed into place, so `load` reads back exactly what was written.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
 import ml_dtypes
 import numpy as np
+from flax import nnx
+from safetensors.numpy import save_file
 
-from acache_jax.config import ModelConfig
+from acache_jax.config import (DREAM_FIXED, GENERATION_CONFIG_FILE, LLADA_FIXED, DecodeConfig, InputError,
+                               ModelConfig, generation_config_json, read_json)
+from acache_jax.files import write_atomic
+from acache_jax.tokenizer import TOKENIZER_FILES
 
 ParamPath = tuple  # e.g. ("layers", 3, "attn", "q", "kernel")
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """The HF checkpoint is incomplete, inconsistent or unreadable."""
 
 
@@ -134,7 +143,11 @@ def _headers(src: Path) -> dict[str, _TensorInfo]:
     """Every tensor of the checkpoint: the files named by the index if there is one, else all."""
     index = src / INDEX_FILE
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        content = read_json(index)
+        weight_map = content.get("weight_map") if isinstance(content, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index} has no 'weight_map' object of tensor name -> shard file")
+        files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (src / f).is_file()]
         if missing:
             raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
@@ -186,3 +199,63 @@ def iter_params(
 
 
 NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def hf_config(cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The config.json of `cfg` in its family's HF layout (`ModelConfig.from_hf` inverts it)."""
+    ids = {"mask_token_id": cfg.mask_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    if cfg.bos_token_id is not None:
+        ids["bos_token_id"] = cfg.bos_token_id
+    if cfg.family == "llada":
+        return {
+            "model_type": "llada", "architectures": ["LLaDAModelLM"], **LLADA_FIXED,
+            "d_model": cfg.hidden_size, "n_heads": cfg.num_heads, "n_kv_heads": cfg.num_kv_heads,
+            "n_layers": cfg.num_layers, "mlp_hidden_size": cfg.intermediate_size,
+            "vocab_size": cfg.vocab_size, "embedding_size": cfg.vocab_size,
+            "max_sequence_length": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+            "include_qkv_bias": cfg.qkv_bias, "rope_full_precision": True, **ids, "torch_dtype": dtype,
+            "use_cache": False,
+        }
+    if not cfg.qkv_bias:
+        raise ValueError("the Dream layout always has q/k/v biases; this config has none")
+    return {
+        "model_type": "Dream", "architectures": ["DreamModel"], **DREAM_FIXED,
+        "hidden_size": cfg.hidden_size, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "num_hidden_layers": cfg.num_layers,
+        "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+        "sliding_window": None, **ids, "torch_dtype": dtype,
+    }
+
+
+def export_hf(dst: str | Path, cfg: ModelConfig, params: nnx.State, tokenizer_dir: str | Path | None = None,
+              dtype: str = "bfloat16", generation: DecodeConfig | None = None) -> Path:
+    """Write `params` (our layout) as an HF checkpoint of cfg's family into dst (created if needed).
+
+    dtype: "bfloat16" or "float32" for the tensors. Tokenizer files found in tokenizer_dir are copied.
+    generation: the model's generation defaults, written as generation_config.json.
+    """
+
+    if dtype not in NUMPY_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(NUMPY_DTYPES)}, got {dtype!r}")
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tree = jax.device_get(nnx.to_pure_dict(params))
+    tensors = {}
+    for name, entry in key_map(cfg).items():
+        array = tree
+        for part in entry.path:
+            array = array[part]
+        array = np.asarray(array).astype(NUMPY_DTYPES[dtype])
+        tensors[name] = np.ascontiguousarray(array.T if entry.transpose else array)
+        if tensors[name].shape != entry.hf_shape:
+            raise ValueError(f"{name}: parameter of shape {tensors[name].shape}, the config needs {entry.hf_shape}")
+    write_atomic(dst / "model.safetensors", lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    write_atomic(dst / "config.json", json.dumps(hf_config(cfg, dtype), indent=2))
+    if generation is not None:
+        write_atomic(dst / GENERATION_CONFIG_FILE, json.dumps(generation_config_json(generation, cfg), indent=2))
+    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != dst.resolve():
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, dst / name)
+    return dst

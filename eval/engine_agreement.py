@@ -1,0 +1,87 @@
+"""How often the serving engine decodes to the static path's tokens, per model, dtype and policy.
+
+    python -m eval.engine_agreement [--models DIR,DIR] [--dtype bfloat16] [-n 200] [--json FILE]
+
+The same mixed workload on both paths: held-out task questions (bAbI, arithmetic, codebook, in
+turn) with their task's 1-shot affix in prefix, infix and suffix position, every request sharing
+its task's affix, served by one engine per policy and by `generate`. Reports, per policy, the
+fraction of requests whose generated tokens are equal on both paths and how many answers differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from acache_jax.checkpoint import load
+from acache_jax.decode import generate
+from acache_jax.engine import Engine
+from acache_jax.files import check_output_path, write_atomic
+from acache_jax.model import Model
+from eval.tasks import STUDY_TASKS, eval_split, get_task
+from eval.tasks.layouts import PLACEMENTS, affix_ids, encoder, request
+
+MODELS = Path(__file__).resolve().parents[1] / "acache_jax" / "models"
+
+
+def workload(model: Model, n: int, seed: int = 0) -> dict[tuple[int, ...], list]:
+    """n requests, tasks and placements in turn, grouped by their (task's) affix ids."""
+    encode = encoder(model.tokenizer)
+    groups: dict[tuple[int, ...], list] = {}
+    splits = {task: eval_split(get_task(task), seed, n) for task in STUDY_TASKS}
+    for i in range(n):
+        task, placement = STUDY_TASKS[i % len(STUDY_TASKS)], PLACEMENTS[1 + i % 3]
+        examples, questions = splits[task]
+        affix = tuple(affix_ids(encode, examples[:1], placement))
+        groups.setdefault(affix, []).append(request(encode, questions[i // len(STUDY_TASKS)], placement, seed=i))
+    return groups
+
+
+def agreement(model: Model, n: int, policies: list[str]) -> list[dict[str, Any]]:
+    rows = []
+    groups = workload(model, n)
+    for policy in policies:
+        config = model.decode_config(cache=policy)
+        same = answers_differ = 0
+        for affix, requests in groups.items():
+            static = generate(model, requests, config, affix=list(affix), max_batch=64)
+            served = Engine(model, config, max_batch=16).generate(requests, list(affix))
+            for s, e in zip(static.tokens, served):
+                same += bool(np.array_equal(s, e.tokens))
+                answers_differ += model.answer_text(s) != model.answer_text(e.tokens)
+        rows.append(dict(policy=policy, n=n, tokens_equal=same / n, answers_differ=answers_differ))
+    return rows
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eval.engine_agreement", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=f"{MODELS / 'llada-small'},{MODELS / 'dream-small'}")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("-n", type=int, default=200, help="requests per policy")
+    p.add_argument("--policies", default="direct,acache,dual")
+    p.add_argument("--json", type=Path, help="also write the rows here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.json:
+        check_output_path(args.json)
+    rows = []
+    for directory in args.models.split(","):
+        model = load(directory, dtype=args.dtype)
+        for row in agreement(model, args.n, args.policies.split(",")):
+            rows.append(dict(model=Path(directory).name, dtype=args.dtype, **row))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        write_atomic(args.json, json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
