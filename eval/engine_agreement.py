@@ -1,9 +1,9 @@
 """How often the serving engine decodes to the static path's tokens, per model, dtype and policy.
 
-    python -m eval.engine_agreement [--models DIR,DIR] [--dtype bfloat16] [-n 200] [--json FILE]
+    python -m eval.engine_agreement [--models DIR,DIR] [--dtype bfloat16] [-n 200] [--shots 1,3] [--json FILE]
 
 The same mixed workload on both paths: held-out task questions (bAbI, arithmetic, codebook, in
-turn) with their task's 1-shot affix in prefix, infix and suffix position, every request sharing
+turn) with their task's few-shot affix in prefix, infix and suffix position, every request sharing
 its task's affix, served by one engine per policy and by `generate`. Reports, per policy, the
 fraction of requests whose generated tokens are equal on both paths and how many answers differ.
 """
@@ -29,7 +29,7 @@ from eval.tasks.layouts import PLACEMENTS, affix_ids, encoder, request
 MODELS = Path(__file__).resolve().parents[1] / "acache_jax" / "models"
 
 
-def workload(model: Model, n: int, seed: int = 0) -> dict[tuple[int, ...], list]:
+def workload(model: Model, n: int, shots: int = 1, seed: int = 0) -> dict[tuple[int, ...], list]:
     """n requests, tasks and placements in turn, grouped by their (task's) affix ids."""
     encode = encoder(model.tokenizer)
     groups: dict[tuple[int, ...], list] = {}
@@ -37,16 +37,17 @@ def workload(model: Model, n: int, seed: int = 0) -> dict[tuple[int, ...], list]
     for i in range(n):
         task, placement = STUDY_TASKS[i % len(STUDY_TASKS)], PLACEMENTS[1 + i % 3]
         examples, questions = splits[task]
-        affix = tuple(affix_ids(encode, examples[:1], placement))
+        affix = tuple(affix_ids(encode, examples[:shots], placement))
         groups.setdefault(affix, []).append(request(encode, questions[i // len(STUDY_TASKS)], placement, seed=i))
     return groups
 
 
-def agreement(model: Model, n: int, policies: list[str]) -> list[dict[str, Any]]:
+def agreement(model: Model, n: int, policies: list[str], shots: int = 1, **settings: Any) -> list[dict[str, Any]]:
+    """Per policy: the share of requests with equal tokens on both paths (settings: DecodeConfig fields)."""
     rows = []
-    groups = workload(model, n)
+    groups = workload(model, n, shots)
     for policy in policies:
-        config = model.decode_config(cache=policy)
+        config = model.decode_config(cache=policy, **settings)
         same = answers_differ = 0
         for affix, requests in groups.items():
             static = generate(model, requests, config, affix=list(affix), max_batch=64)
@@ -54,7 +55,8 @@ def agreement(model: Model, n: int, policies: list[str]) -> list[dict[str, Any]]
             for s, e in zip(static.tokens, served):
                 same += bool(np.array_equal(s, e.tokens))
                 answers_differ += model.answer_text(s) != model.answer_text(e.tokens)
-        rows.append(dict(policy=policy, n=n, tokens_equal=same / n, answers_differ=answers_differ))
+        rows.append(dict(policy=policy, shots=shots, n=n, **settings, tokens_equal=same / n,
+                         answers_differ=answers_differ))
     return rows
 
 
@@ -64,6 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("-n", type=int, default=200, help="requests per policy")
     p.add_argument("--policies", default="direct,acache,dual")
+    p.add_argument("--shots", default="1", help="comma-separated few-shot counts of the affixes")
+    p.add_argument("--gen-length", type=int, help="default: the model's")
+    p.add_argument("--no-early-stop", action="store_true", help="compute every block")
     p.add_argument("--json", type=Path, help="also write the rows here")
     return p
 
@@ -75,9 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for directory in args.models.split(","):
         model = load(directory, dtype=args.dtype)
-        for row in agreement(model, args.n, args.policies.split(",")):
-            rows.append(dict(model=Path(directory).name, dtype=args.dtype, **row))
-            print(json.dumps(rows[-1]), flush=True)
+        for shots in map(int, args.shots.split(",")):
+            settings = dict(early_stop=not args.no_early_stop)
+            if args.gen_length:
+                settings["gen_length"] = args.gen_length
+            for row in agreement(model, args.n, args.policies.split(","), shots, **settings):
+                rows.append(dict(model=Path(directory).name, dtype=args.dtype, **row))
+                print(json.dumps(rows[-1]), flush=True)
     if args.json:
         write_atomic(args.json, json.dumps(rows, indent=1))
     return 0

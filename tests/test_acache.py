@@ -2,6 +2,7 @@
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,9 +70,8 @@ def test_one_affix_cache_serves_every_offset(model, cache):
     """K before RoPE is independent of where the span sits and attention depends on relative
     positions only: the cache built at positions 0.. equals one built at the request's own offset."""
     at_offset = model.forward(jnp.asarray([AFFIX]), 37 + jnp.arange(len(AFFIX))[None], with_logits=False)
-    for layer in range(model.config.num_layers):
-        np.testing.assert_allclose(cache.k[layer], at_offset.k[layer][0], atol=1e-5)
-        np.testing.assert_allclose(cache.v[layer], at_offset.v[layer][0], atol=1e-5)
+    chex.assert_trees_all_close((cache.k, cache.v), jax.tree.map(lambda a: a[0], (at_offset.k, at_offset.v)),
+                                atol=1e-5)
     # Infix requests with the affix at offsets 4 and 11 in one batch, both from the one cache.
     config = DecodeConfig(cache="direct", **BASE)
     both = generate(model, [REQUESTS[1], REQUESTS[3]], config, affix=cache)

@@ -1,5 +1,6 @@
 """The gathered-attention and anchor-importance kernels (Pallas, interpret mode) against the jnp oracle."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,7 +52,8 @@ def test_attention_matches_oracle(group, hkv, d, dtype, use_rope, splits, rope_t
     want, want_lse = gathered_attention(q, kp, vp, slots, lens, backend="xla", **kw)
     got, got_lse = gathered_attention(q, kp, vp, slots, lens, backend="pallas", interpret=True, splits=splits,
                                       block_k=32, rope_tables=rope_tables, **kw)
-    assert got.shape == q.shape and got.dtype == q.dtype
+    chex.assert_shape(got, q.shape)
+    chex.assert_type(got, q.dtype)
     assert_close(got, want, dtype)
     np.testing.assert_allclose(got_lse[:3], want_lse[:3], rtol=1e-4, atol=1e-3)
     assert not np.asarray(got[3]).any()  # no keys: zero output

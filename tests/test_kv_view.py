@@ -1,5 +1,6 @@
 """The model forward with an external KVView computes what the full forward computes."""
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -58,8 +59,7 @@ def test_keys_before_rope_are_position_free(model):
     ids = jnp.asarray(np.random.default_rng(2).integers(0, 120, (1, 6)), jnp.int32)
     a = model.forward(ids, jnp.arange(6)[None])
     b = model.forward(ids, 40 + jnp.arange(6)[None])
-    for layer in range(model.config.num_layers):
-        np.testing.assert_allclose(a.k[layer], b.k[layer], atol=1e-5)
+    chex.assert_trees_all_close(a.k, b.k, atol=1e-5)  # every layer
     np.testing.assert_allclose(a.logits, b.logits, atol=1e-4)
     c = model.forward(ids, jnp.asarray([[0, 1, 2, 3, 4, 9]]))  # a different relative layout does differ
     assert np.abs(np.asarray(c.logits) - np.asarray(a.logits)).max() > 1e-3
