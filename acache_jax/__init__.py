@@ -6,8 +6,8 @@ batching) with a `DecodeConfig` (`model.decode_config(...)` starts from the mode
 defaults), requests as `Request`s.
 """
 
-from acache_jax.attention import KVView
-from acache_jax.acache import AffixCache, build_affix_cache
+from acache_jax.kv import AffixCache, KVPool
+from acache_jax.acache import build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ConfigError, DecodeConfig, DecodeError, InputError, ModelConfig
 from acache_jax.decode import GenerateResult
@@ -16,5 +16,5 @@ from acache_jax.layout import Request, RequestError
 from acache_jax.model import ForwardOutput, Model, Transformer
 
 __all__ = ["AffixCache", "ConfigError", "DecodeConfig", "DecodeError", "Engine", "EngineResult", "ForwardOutput",
-           "GenerateResult", "InputError", "KVView", "Model", "ModelConfig", "Request", "RequestError", "Transformer",
+           "GenerateResult", "InputError", "KVPool", "Model", "ModelConfig", "Request", "RequestError", "Transformer",
            "build_affix_cache", "load"]

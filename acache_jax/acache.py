@@ -20,32 +20,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from acache_jax.attention import KVView
-from acache_jax.config import SELECTORS
+from acache_jax.config import SELECTORS, ModelConfig
+from acache_jax.kv import AffixCache, read_set, rows_access
 from acache_jax.layout import Batch, RequestError, affix_token_ids
-from acache_jax.model import Model
+from acache_jax.model import ForwardInputs, Model, forward
 
 Selector = Literal["attention", "hkvd", "random", "bottom"]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class AffixCache:
-    """K (before RoPE) and V of an affix computed alone; shared by every request that uses it."""
-
-    k: tuple[jax.Array, ...]  # layers x [L, kv_heads, head_dim]
-    v: tuple[jax.Array, ...]  # layers x [L, kv_heads, head_dim]
-    ids: jax.Array  # [L] int32 (a leaf, not static: another affix of the same length reuses programs)
-    model_fingerprint: str = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def length(self) -> int:
-        return self.ids.shape[0]
-
-    def view(self, positions: jax.Array, valid: jax.Array) -> KVView:
-        """The cache as every row's external keys: row b reads affix token n at positions[b, n]."""
-        slots = jnp.broadcast_to(jnp.arange(self.length, dtype=jnp.int32), positions.shape)
-        return KVView(self.k, self.v, positions, valid, slots)
 
 
 def build_affix_cache(model: Model, affix_ids) -> AffixCache:
@@ -59,7 +39,7 @@ def build_affix_cache(model: Model, affix_ids) -> AffixCache:
     if bad:
         raise RequestError(f"affix token ids outside the vocabulary [0, {model.config.vocab_size}): {bad[:5]}")
     tokens = jnp.asarray([ids], jnp.int32)
-    out = model.forward(tokens, jnp.arange(len(ids), dtype=jnp.int32)[None], with_logits=False)
+    out = model.forward(tokens, ForwardInputs(jnp.arange(len(ids), dtype=jnp.int32)[None]), with_logits=False)
     return AffixCache(tuple(k[0] for k in out.k), tuple(v[0] for v in out.v), tokens[0], model.fingerprint)
 
 
@@ -69,27 +49,31 @@ def check_affix_cache(model: Model, affix: AffixCache) -> None:
                            "build_affix_cache(model, affix_ids)")
 
 
-def _non_affix_view(batch: Batch):
-    """Column indices [B, T - L] of every non-affix column in order (padding columns included)."""
-    order = jnp.argsort(batch.affix_columns(), axis=1, stable=True)
-    return order[:, : batch.tokens.shape[1] - batch.affix_len]
-
-
 def affix_positions(batch: Batch) -> jax.Array:
     """[B, L] absolute positions of each row's affix tokens."""
     return jnp.take_along_axis(batch.positions, batch.affix_column_index(), axis=1)
 
 
-def probe_importance(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affix: AffixCache,
-                     mask_id: int, attn_backend: str | None = None) -> jax.Array:
+def probe_importance(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
+                     attn_backend: str | None = None) -> jax.Array:
     """[B, L] anchor-probe importance: the request's non-affix tokens forward against the fixed
-    affix K/V; the mask-token queries' softmax over affix keys, summed over queries, heads, layers."""
-    cols = _non_affix_view(batch)
+    affix K/V; the mask-token queries' softmax over affix keys, summed over queries, heads, layers.
+
+    The non-affix tokens write their K/V into private pool rows and read [those rows; the affix
+    rows at the affix's offset], as the engine's folded probe does."""
+    b, t = batch.tokens.shape
+    n = t - batch.affix_len
+    cols = jnp.argsort(batch.affix_columns(), axis=1, stable=True)[:, :n]  # non-affix columns (padding too)
     take = lambda a: jnp.take_along_axis(a, cols, axis=1)
     tokens, valid = take(batch.tokens), take(batch.valid)
-    kv = affix.view(affix_positions(batch), jnp.ones((batch.tokens.shape[0], affix.length), bool))
-    out = nnx.merge(graphdef, params)(tokens, take(batch.positions), valid=valid, kv=kv, with_logits=False,
-                                      attn_backend=attn_backend, probe=valid & (tokens == mask_id))
+    first_own = affix.length + jnp.arange(b)[:, None] * n
+    own = read_set(first_own + jnp.arange(n)[None], valid, jnp.zeros((b,), jnp.int32))
+    shared = read_set(jnp.broadcast_to(jnp.arange(affix.length), (b, affix.length)), jnp.ones((b, affix.length), bool),
+                      affix_positions(batch)[:, 0])
+    access = rows_access(affix.pool(b * n, mcfg.rope_theta), first_own + jnp.arange(n)[None], (own, shared),
+                         valid & (tokens == mcfg.mask_token_id), probe_read=1)
+    out = forward(graphdef, params, tokens.reshape(-1), ForwardInputs(take(batch.positions).reshape(-1), access=access),
+                  with_logits=False, attn_backend=attn_backend)
     return out.probe
 
 
@@ -97,8 +81,8 @@ def hkvd_deviation(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affi
                    attn_backend: str | None = None) -> jax.Array:
     """[B, L] CacheBlend-style deviation: per affix token, the L2 norm over all layers of the
     difference between its K/V in the full request (one full forward) and in the affix-only cache."""
-    out = nnx.merge(graphdef, params)(batch.tokens, batch.positions, valid=batch.valid, with_logits=False,
-                                      attn_backend=attn_backend)
+    out = forward(graphdef, params, batch.tokens, ForwardInputs(batch.positions, batch.valid), with_logits=False,
+                  attn_backend=attn_backend)
     cols = batch.affix_column_index()
     total = 0.0
     for full, cached in ((out.k, affix.k), (out.v, affix.v)):
@@ -108,22 +92,28 @@ def hkvd_deviation(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affi
     return jnp.sqrt(total)
 
 
-def select_anchors(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affix: AffixCache, k: int,
-                   selector: Selector, mask_id: int, attn_backend: str | None = None) -> jax.Array:
-    """[B, k] sorted affix-relative anchor indices per row (ties: the lower index ranks first)."""
-    b = batch.tokens.shape[0]
+def anchor_ranking(score: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """[B, N] affix indices best first (ties: the lower index first; rows' invalid entries last):
+    a request's anchors are the first K of its row, the one ranking rule of every path."""
+    if valid is not None:
+        score = jnp.where(valid, score, -jnp.inf)
+    return jnp.argsort(-score, axis=1, stable=True).astype(jnp.int32)
+
+
+def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
+                   k: int, selector: Selector, attn_backend: str | None = None) -> jax.Array:
+    """[B, k] sorted affix-relative anchor indices per row."""
     if selector == "attention":
-        score = probe_importance(graphdef, params, batch, affix, mask_id, attn_backend)
+        score = probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
     elif selector == "bottom":
-        score = -probe_importance(graphdef, params, batch, affix, mask_id, attn_backend)
+        score = -probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
     elif selector == "hkvd":
         score = hkvd_deviation(graphdef, params, batch, affix, attn_backend)
     elif selector == "random":
         score = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 7), (affix.length,)))(batch.keys)
     else:
         raise RequestError(f"unknown anchor selector {selector!r}; choose one of {SELECTORS}")
-    top = jnp.argsort(-score, axis=1, stable=True)[:, :k]
-    return jnp.sort(top, axis=1).astype(jnp.int32).reshape(b, k)
+    return jnp.sort(anchor_ranking(score)[:, :k], axis=1)
 
 
-select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 4, 5, 6, 7))
+select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 1, 5, 6, 7))

@@ -1,20 +1,21 @@
-"""Bidirectional attention over a forward's own tokens plus optional external KV views.
+"""Bidirectional attention in two forms, with one backend switch.
 
-A view's keys are stored either before RoPE and rotated here at the position they are read at, or
-already rotated at their own positions with a per-row offset: RoPE scores depend only on position
-differences, so such a span is read at offset o by rotating the query by -o instead of every key
-(what the engine's pool does: no per-key trigonometry in the kernel). Either way a cached span can
-be attended to at any offset.
+- Dense: the rows of a [B, T] batch attend to their own tokens (padding masked): plain forwards
+  (`Model.logits`, an affix computed alone, training, the hkvd probe).
+- Pool: a forward's tokens write their K (rotated at their positions) and V into a `KVPool`
+  first, then every token reads its segment's rows through the read sets of a `PoolAccess`
+  (acache_jax/kv.py): the static decode loop and the engine's packed steps alike. Queries run in
+  tiles of one segment's tokens; each read set is one call of the gathered-attention kernel (or its
+  jnp oracle), and the partial results are merged by their log-sum-exp.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from acache_jax.config import ATTENTION_BACKENDS
+from acache_jax.kv import PoolAccess
 from pallas_kernels import anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
 
 # Finite stand-in for -inf: a query whose keys are all invalid (a padding row) yields a uniform
@@ -22,35 +23,16 @@ from pallas_kernels import anchor_importance, gathered_attention, merge_partials
 _MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVView:
-    """Keys/values a forward reads besides its own tokens.
-
-    Either a dense per-row cache (`slots` is None; k[layer], v[layer]: [B, N, kv_heads, head_dim]) or
-    a pool of rows read through a map (k[layer], v[layer]: [S, kv_heads, head_dim]; logical key n of
-    batch row b is pool row `slots[b, n]`), so one shared affix cache can serve every row. k and v
-    are indexed by layer: a stacked array or a tuple of per-layer arrays. Keys with
-    `valid == False` are ignored. Without `offset`, keys are stored before RoPE and rotated at
-    `positions`; with it, row b's keys are stored already rotated at `positions - offset[b]`.
-    """
-
-    k: jax.Array | tuple[jax.Array, ...]
-    v: jax.Array | tuple[jax.Array, ...]
-    positions: jax.Array  # [B, N] int32 absolute position of logical key n
-    valid: jax.Array  # [B, N] bool
-    slots: jax.Array | None = None  # [B, N] int32 pool row of logical key n, or None (dense)
-    offset: jax.Array | None = None  # [B] int32: keys stored rotated, read at this offset
-
-    def rows(self, layer: int) -> tuple[jax.Array, jax.Array]:
-        """This layer's keys and values as [B, N, kv_heads, head_dim]."""
-        k, v = self.k[layer], self.v[layer]
-        return (k, v) if self.slots is None else (k[self.slots], v[self.slots])
-
-
 def default_backend(head_dim: int) -> str:
     """The Pallas kernel on a GPU (where it compiles for this head dim), the plain jnp path elsewhere."""
     return "pallas" if jax.default_backend() == "gpu" and supported_on_gpu(head_dim) else "xla"
+
+
+def _backend(backend: str | None, head_dim: int) -> str:
+    backend = backend or default_backend(head_dim)
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
+    return backend
 
 
 def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
@@ -82,83 +64,62 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) 
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
 
 
-def _as_pool(k: jax.Array, v: jax.Array, slots: jax.Array | None, positions: jax.Array, valid: jax.Array):
-    """The kernel's form of a key set: (k pool, v pool, slot map with valid keys first, their
-    positions, lengths, the order applied). A dense [B, N, H, D] set becomes a pool of B * N rows."""
-    if slots is None:
-        b, n = k.shape[:2]
-        slots = jnp.arange(b * n, dtype=jnp.int32).reshape(b, n)
-        k, v = k.reshape(b * n, *k.shape[2:]), v.reshape(b * n, *v.shape[2:])
-    order = jnp.argsort(~valid, axis=1, stable=True)
-    take = lambda a: jnp.take_along_axis(a, order, axis=1)
-    return k, v, take(slots), take(positions), valid.sum(axis=1).astype(jnp.int32), order
-
-
-def _kernel_form(view: KVView, layer: int, rope_theta: float):
-    """(k pool, v pool, slots, lengths, order, RoPE arguments) of one view for the kernels."""
-    k, v, slots, k_pos, lens, order = _as_pool(view.k[layer], view.v[layer], view.slots, view.positions, view.valid)
-    rot = dict(k_positions=k_pos, rope_theta=rope_theta) if view.offset is None else {}
-    return k, v, slots, lens, order, rot
-
-
-def attend(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    positions: jax.Array,
-    valid: jax.Array,
-    kv: KVView | tuple[KVView, ...] | None,
-    layer: int,
-    rope_theta: float,
-    backend: str | None = None,
-    probe: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Attention of a forward's queries over [external keys of every view; its own keys].
-
-    q, k_new: [B, T, H, D] before RoPE; positions, valid: [B, T] of the forward's own tokens.
-    probe: [B, T] bool; when given, also returns the anchor-probe importance of these queries over
-    the (single) external view's keys ([B, N] float32, `pallas_kernels.anchor_importance`).
-    The pallas backend reads each view in place through its slot map and merges those partial
-    results with the one over the forward's own keys.
-    """
-    backend = backend or default_backend(q.shape[-1])
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
-    views = () if kv is None else (kv,) if isinstance(kv, KVView) else tuple(kv)
-    if probe is not None and len(views) != 1:
-        raise ValueError(f"the anchor probe reads exactly one external view, got {len(views)}")
-    q_rot = rope(q, positions, rope_theta)
-    kernel_backend = "pallas" if backend == "pallas" else "xla"
-    # A view stored rotated is read with the query rotated back by its offset.
-    read_q = [q_rot if view.offset is None else rope(q, positions - view.offset[:, None], rope_theta)
-              for view in views]
-    needs_pool = backend == "pallas" or probe is not None
-    pooled = [_kernel_form(view, layer, rope_theta) for view in views] if needs_pool else []
-    scores = None
-    if probe is not None:
-        pool, _, slots, lens, order, rot = pooled[0]
-        sorted_scores = anchor_importance(read_q[0], pool, slots, lens, probe, backend=kernel_backend, **rot)
-        scores = jnp.zeros_like(sorted_scores).at[jnp.arange(q.shape[0])[:, None], order].set(sorted_scores)
-    if backend == "pallas":
-        results = [gathered_attention(q_view, k, v, slots, lens, return_lse=True, **rot)
-                   for q_view, (k, v, slots, lens, _, rot) in zip(read_q, pooled)]
-        # The forward's own keys are rotated once here, not per query block in the kernel.
-        k, v, slots, _, lens, _ = _as_pool(rope(k_new, positions, rope_theta), v_new, None, positions, valid)
-        results.append(gathered_attention(q_rot, k, v, slots, lens, return_lse=True))
-        return merge_partials(*map(list, zip(*results))), scores
-    keys, values, key_valid = [], [], []
-    for view in views:
-        k_ext, v_ext = view.rows(layer)
-        if view.offset is None:
-            k_ext = rope(k_ext, view.positions, rope_theta)
-        else:  # rotations compose: stored at p - o, turned by o more
-            k_ext = rope(k_ext, jnp.broadcast_to(view.offset[:, None], view.positions.shape), rope_theta)
-        keys.append(k_ext)
-        values.append(v_ext)
-        key_valid.append(view.valid)
-    keys = jnp.concatenate([*keys, rope(k_new, positions, rope_theta)], axis=1)
-    values = jnp.concatenate([*values, v_new], axis=1)
-    key_valid = jnp.concatenate([*key_valid, valid], axis=1)
+def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, valid: jax.Array,
+                 rope_theta: float, backend: str | None = None) -> jax.Array:
+    """Rows attending to their own tokens. q/k/v: [B, T, H, D] before RoPE; positions, valid: [B, T]."""
+    backend = _backend(backend, q.shape[-1])
+    q, k = rope(q, positions, rope_theta), rope(k, positions, rope_theta)
     if backend == "xla":
-        return dense_attention(q_rot, keys, values, key_valid), scores
-    return cudnn_attention(q_rot, keys, values, key_valid), scores
+        return dense_attention(q, k, v, valid)
+    if backend == "cudnn":
+        return cudnn_attention(q, k, v, valid)
+    b, t = valid.shape
+    order = jnp.argsort(~valid, axis=1, stable=True)  # the kernel reads a row's first `lens` keys
+    slots = (jnp.arange(b)[:, None] * t + order).astype(jnp.int32)
+    pool = lambda a: a.reshape(b * t, *a.shape[2:])
+    return gathered_attention(q, pool(k), pool(v), slots, valid.sum(axis=1).astype(jnp.int32))
+
+
+def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, access: PoolAccess, layer: int,
+                rope_theta: float, backend: str | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Write this layer's K/V of the M tokens into the pool, then attend through the read sets.
+
+    q, k, v: [M, H, D] before RoPE; positions: [M]. Returns (output [M, Hq, D], the layer's
+    updated pool K and V, and when `access.probe_weight` is set the anchor-probe importance
+    [S, N] of the probed read set's rows: per row, the probe-weighted sum over queries and heads of
+    the softmax over that set's rows alone).
+    """
+    backend = _backend(backend, q.shape[-1])
+    pool_k = access.pool.k[layer].at[access.write_slots].set(
+        rope(k[None], positions[None], rope_theta)[0].astype(access.pool.k[layer].dtype), mode="drop")
+    pool_v = access.pool.v[layer].at[access.write_slots].set(v.astype(access.pool.v[layer].dtype), mode="drop")
+    m, hq, d = q.shape
+    extend = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # index M: empty
+    tile = lambda a: extend(a)[access.tiles]
+    per_tile = lambda a: a[access.tile_segment]
+    reads = [(rope(q[None], (positions - rs.offset[access.segment])[None], rope_theta)[0], rs)
+             for rs in access.reads]
+    importance = None
+    if backend == "cudnn":  # one query per token: every set's keys turned to the token's own frame instead
+        keys, values, valid = [], [], []
+        for _, rs in reads:
+            slots, offset = per_tile(rs.slots), per_tile(rs.offset)
+            keys.append(rope(pool_k[slots], jnp.broadcast_to(offset[:, None], slots.shape), rope_theta))
+            values.append(pool_v[slots])
+            valid.append(jnp.arange(slots.shape[1])[None] < per_tile(rs.lens)[:, None])
+        q_own = tile(rope(q[None], positions[None], rope_theta)[0])
+        out_tiles = cudnn_attention(q_own, jnp.concatenate(keys, 1), jnp.concatenate(values, 1),
+                                    jnp.concatenate(valid, 1))
+    else:
+        parts = [gathered_attention(tile(q_read), pool_k, pool_v, per_tile(rs.slots), per_tile(rs.lens),
+                                    return_lse=True, backend=backend) for q_read, rs in reads]
+        out_tiles = merge_partials(*map(list, zip(*parts)))
+    if access.probe_weight is not None:  # the probed set's softmax, from its attention's log-sum-exp
+        q_read, rs = reads[access.probe_read]
+        lse = None if backend == "cudnn" else parts[access.probe_read][1]
+        scores = anchor_importance(tile(q_read), pool_k, per_tile(rs.slots), per_tile(rs.lens),
+                                   tile(access.probe_weight), backend="xla" if backend == "xla" else "pallas", lse=lse)
+        importance = jax.ops.segment_sum(scores, access.tile_segment, num_segments=rs.slots.shape[0])
+    out = jnp.zeros((m + 1, hq, d), q.dtype).at[access.tiles.reshape(-1)].set(out_tiles.reshape(-1, hq, d))
+    return out[:m], pool_k, pool_v, importance

@@ -25,11 +25,12 @@ import numpy as np
 from flax import nnx
 
 from acache_jax import sampling
-from acache_jax.acache import AffixCache, affix_positions, build_affix_cache, check_affix_cache, select_anchors_jit
-from acache_jax.attention import KVView
+from acache_jax.acache import build_affix_cache, check_affix_cache, select_anchors_jit
 from acache_jax.config import DecodeConfig, DecodeError, ModelConfig, resolve_decode_config
 from acache_jax.layout import Batch, Request, affix_token_ids, as_requests, check_requests, make_batch
-from acache_jax.model import Model
+from acache_jax.kv import AffixCache, KVPool, flat_index, read_set, rows_access
+from acache_jax.model import ForwardInputs, Model
+from acache_jax.model import forward as model_forward
 
 
 @dataclasses.dataclass
@@ -43,14 +44,6 @@ class GenerateResult:
     seconds: np.ndarray  # [n] wall time of the batch the request ran in (compilation included)
     batch_forward_calls: int  # forward calls over all batches (a batch call counts once)
 
-    @property
-    def total_seconds(self) -> float:
-        return float(np.unique(self.seconds).sum())
-
-
-# Incremented each time the decode program is traced: tests use it to count compilations.
-TRACE_COUNT = {"decode": 0}
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -60,31 +53,41 @@ class DecodeStats:
     calls: jax.Array  # [] forward calls of the batch
 
 
-def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: DecodeConfig,
+def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, cfg: DecodeConfig,
             affix: AffixCache | None = None, anchors: jax.Array | None = None) -> tuple[jax.Array, DecodeStats]:
-    """The whole generation of one batch. Selective policies need `affix` and `anchors` [B, K]."""
-    TRACE_COUNT["decode"] += 1
-    model = nnx.merge(graphdef, params)
-    mcfg: ModelConfig = model.cfg
+    """The whole generation of one batch. Selective policies need `affix` and `anchors` [B, K].
+
+    Every forward writes its tokens' K/V into one pool and reads its row's keys from it (kv.py):
+    full policies own B x T rows; selective ones read the affix from L shared rows (K rotated at
+    0..L-1, read at the row's affix offset) and own B x (T - L + K) rows for their private columns.
+    """
     mask_id, bl, g0 = mcfg.mask_token_id, cfg.block_length, batch.gen_start
     b, t = batch.tokens.shape
-    gen_cols = (jnp.arange(t) >= g0) & (jnp.arange(t) < g0 + cfg.gen_length)
-    prompt = batch.valid & ~gen_cols[None]  # what classifier-free guidance masks out
+    col = jnp.arange(t)[None]
+    gen_cols = (col >= g0) & (col < g0 + cfg.gen_length)
+    prompt = batch.valid & ~gen_cols  # what classifier-free guidance masks out
     guided = cfg.cfg_scale > 0
+    rows = 2 * b if guided else b  # CFG: the unconditional copies (prompt masked) as extra rows
     dup = (lambda a: jnp.concatenate([a, a])) if guided else (lambda a: a)
+    take = lambda a, cols: jnp.take_along_axis(a, cols, axis=1)
+    zero = jnp.zeros((rows,), jnp.int32)
+    positions = dup(batch.positions)
 
-    def forward(tokens, positions, valid, prompt_mask, kv=None, logit_index=None):
-        """Model forward with CFG's unconditional copy (prompt masked) run as extra batch rows."""
+    def forward(tokens, pos, write, reads, pool, logit_index, prompt_mask=None):
+        """Rows of tokens through the pool; logits [B, Tl, V] (CFG: combined with the copies whose
+        `prompt_mask` tokens are masked)."""
         if guided:
             tokens = jnp.concatenate([tokens, jnp.where(prompt_mask, mask_id, tokens)])
-            positions, valid = dup(positions), dup(valid)
-            logit_index = None if logit_index is None else dup(logit_index)
-        out = model(tokens, positions, valid=valid, kv=kv, logit_index=logit_index, attn_backend=cfg.attn_backend)
+        f = tokens.shape[1]
+        out = model_forward(graphdef, params, tokens.reshape(-1),
+                            ForwardInputs(pos.reshape(-1), access=rows_access(pool, write, reads),
+                                          logit_index=flat_index(dup(logit_index), f)),
+                            attn_backend=cfg.attn_backend)
         logits = out.logits
         if guided:
             cond, uncond = jnp.split(logits, 2)
             logits = uncond + (cfg.cfg_scale + 1) * (cond - uncond)
-        return logits, out.k, out.v
+        return logits, out.pool
 
     def step_keys(nfe):
         """Per-row keys for this step, from the row's own forward count (not the batch's)."""
@@ -97,95 +100,101 @@ def _decode(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, cfg: Decode
         block = sampling.commit_block(block, logits, step, keys, sched, scfg, cfg.steps_per_block, block_start)
         return jax.lax.dynamic_update_slice_in_dim(x, block, s, axis=1)
 
-    col = jnp.arange(t)[None]
     window = t - g0  # prefix policy: from the block start to the end, padded on the right
     padded = lambda a, fill: jnp.pad(a, ((0, 0), (0, window)), constant_values=fill)
-    take = lambda a, cols: jnp.take_along_axis(a, cols, axis=1)
+    row_ids = jnp.arange(rows)[:, None]
 
     if cfg.selective:
         # Private columns: anchors + every non-affix column (padding included, as invalid tokens):
-        # exactly T - L + K per row, gathered in column order.
-        rows = jnp.arange(b)[:, None]
+        # exactly T - L + K per row, in column order, each with its own pool row.
+        L, k = affix.length, anchors.shape[1]
+        n_private = t - L + k
         is_affix = batch.affix_columns()
-        is_anchor = jnp.zeros((b, t), bool).at[rows, batch.affix_start[:, None] + anchors].set(True) & is_affix
-        shared = is_affix & ~is_anchor  # read from the affix cache, never recomputed
-        private = jnp.argsort(shared, axis=1, stable=True)[:, : t - batch.affix_len + anchors.shape[1]]
+        is_anchor = jnp.zeros((b, t), bool).at[row_ids, batch.affix_start[:, None] + anchors].set(True) & is_affix
+        shared = is_affix & ~is_anchor  # read from the affix rows, never recomputed
+        private = jnp.argsort(shared, axis=1, stable=True)[:, :n_private]
         compact = jnp.cumsum(~shared, axis=1) - 1  # column -> index among the private columns
-        p_tokens = take(batch.valid, private)
-        anchor_local = jnp.zeros((b, batch.affix_len), bool).at[rows, anchors].set(True)
-        keep = ~anchor_local & (not cfg.drop_non_anchor)
-        affix_view = affix.view(affix_positions(batch), keep)
-        # In-block view: a pool of [shared affix rows; this block start's recomputed rows] per layer.
-        n_private = private.shape[1]
-        slots = jnp.where(shared, col - batch.affix_start[:, None], affix.length + rows * n_private + compact)
-        affix_valid = ~shared if cfg.drop_non_anchor else jnp.ones((b, t), bool)
+        own_slot = L + row_ids * n_private  # a row's first private pool row
+        reads = (read_set(own_slot + jnp.arange(n_private)[None], take(batch.valid, private), zero),)
+        if not cfg.drop_non_anchor:
+            anchor_local = jnp.zeros((b, L), bool).at[row_ids, anchors].set(True)
+            reads += (read_set(jnp.broadcast_to(jnp.arange(L), (b, L)), ~anchor_local,
+                               take(batch.positions, batch.affix_start[:, None])[:, 0]),)
+        pool0 = KVPool(tuple(jnp.zeros((L + b * n_private, *a.shape[1:]), a.dtype).at[:L].set(a)
+                             for a in affix.rotated_k(mcfg.rope_theta)),
+                       tuple(jnp.zeros((L + b * n_private, *a.shape[1:]), a.dtype).at[:L].set(a) for a in affix.v))
+    else:
+        reads = (read_set(row_ids * t + col, dup(batch.valid), zero),)
+        pool0 = KVPool.zeros(mcfg, rows * t, params["embed"][...].dtype)
 
-    def block_start(x, s, idx):
-        """Forward at a block start: (logits for the block, the view in-block steps read, tokens computed)."""
-        in_block = (col >= s) & (col < s + bl)
+    def block_start(x, pool, s, idx):
+        """Forward at a block start: (logits for the block, the pool, tokens computed per row)."""
         if not cfg.selective:
-            logits, k, v = forward(x, batch.positions, batch.valid, prompt, logit_index=idx)
-            cache_valid = batch.valid & (col < s) if cfg.cache == "prefix" else batch.valid & ~in_block
-            return logits, KVView(k, v, dup(batch.positions), dup(cache_valid)), batch.valid.sum(-1)
-        logit_index = take(compact, idx)
-        logits, k, v = forward(take(x, private), take(batch.positions, private), p_tokens, None,
-                               kv=affix_view, logit_index=logit_index)
-        pool = lambda cached, new: tuple(jnp.concatenate([a, n.reshape(-1, *n.shape[2:])]) for a, n in zip(cached, new))
-        view = KVView(pool(affix.k, k), pool(affix.v, v), batch.positions, batch.valid & ~in_block & affix_valid, slots)
-        return logits, view, p_tokens.sum(-1)
+            logits, pool = forward(x, positions, row_ids * t + col, reads, pool, idx, prompt)
+            return logits, pool, batch.valid.sum(-1)
+        logits, pool = forward(take(x, private), take(batch.positions, private),
+                               own_slot + jnp.arange(n_private)[None], reads, pool, take(compact, idx))
+        return logits, pool, take(batch.valid, private).sum(-1)
 
     def block_body(carry):
-        blk, x, nfe, ftok, calls = carry
+        blk, x, pool, nfe, ftok, calls = carry
         s = g0 + blk * bl
         masked0 = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mask_id
         sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
         active = masked0.any(-1)
         idx = jnp.broadcast_to(s + jnp.arange(bl), (b, bl))
-        logits, kv, width = block_start(x, s, idx)
+        logits, pool, width = block_start(x, pool, s, idx)
         x = commit(x, s, logits, 0, step_keys(nfe), sched, block_start=True)
         nfe, ftok = nfe + active, ftok + active * width * (2 if guided else 1)
+        sl = lambda a: jax.lax.dynamic_slice_in_dim(a, s, bl, axis=1)
 
         def step_cond(c):
             return (jax.lax.dynamic_slice_in_dim(c[0], s, bl, axis=1) == mask_id).any()
 
         def step_body(c):
-            x, step, nfe, ftok, calls = c
-            active = (jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mask_id).any(-1)
+            x, pool, step, nfe, ftok, calls = c
+            active = (sl(x) == mask_id).any(-1)
+            block_idx = jnp.broadcast_to(jnp.arange(bl), (b, bl))
             if cfg.cache == "none":
-                logits, _, _ = forward(x, batch.positions, batch.valid, prompt, logit_index=idx)
+                logits, pool = forward(x, positions, row_ids * t + col, reads, pool, idx, prompt)
                 width = batch.valid.sum(-1)
-            elif cfg.cache != "prefix":  # dual, acache, direct: the block alone
-                sl = lambda a: jax.lax.dynamic_slice_in_dim(a, s, bl, axis=1)
-                logits, _, _ = forward(sl(x), sl(batch.positions), sl(batch.valid), sl(prompt), kv=kv)
+            elif cfg.selective:  # the block alone, written to its private rows
+                logits, pool = forward(sl(x), sl(batch.positions), own_slot + sl(compact), reads, pool, block_idx)
                 width = jnp.full((b,), bl)
-            else:  # prefix
-                sl = lambda a, fill: jax.lax.dynamic_slice_in_dim(padded(a, fill), s, window, axis=1)
-                w_valid = sl(batch.valid, False)
-                logits, _, _ = forward(sl(x, mask_id), sl(batch.positions, 0), w_valid, sl(prompt, False), kv=kv,
-                                       logit_index=jnp.broadcast_to(jnp.arange(bl), (b, bl)))
-                width = w_valid.sum(-1)
+            elif cfg.cache == "dual":  # the block alone
+                logits, pool = forward(sl(x), sl(positions), row_ids * t + s + jnp.arange(bl)[None], reads, pool,
+                                       block_idx, sl(prompt))
+                width = jnp.full((b,), bl)
+            else:  # prefix: the window from the block start to the end
+                win = lambda a, fill: jax.lax.dynamic_slice_in_dim(padded(a, fill), s, window, axis=1)
+                cols = s + jnp.arange(window)[None]
+                write = jnp.where(cols < t, row_ids * t + cols, pool.num_slots)
+                logits, pool = forward(win(x, mask_id), win(positions, 0), write, reads, pool, block_idx,
+                                       win(prompt, False))
+                width = win(batch.valid, False).sum(-1)
             x = commit(x, s, logits, step, step_keys(nfe), sched, block_start=False)
             nfe, ftok = nfe + active, ftok + active * width * (2 if guided else 1)
-            return x, step + 1, nfe, ftok, calls + 1
+            return x, pool, step + 1, nfe, ftok, calls + 1
 
-        x, _, nfe, ftok, calls = jax.lax.while_loop(step_cond, step_body, (x, jnp.int32(1), nfe, ftok, calls + 1))
+        x, pool, _, nfe, ftok, calls = jax.lax.while_loop(step_cond, step_body,
+                                                          (x, pool, jnp.int32(1), nfe, ftok, calls + 1))
         if cfg.early_stop:  # a block all end-of-text ends the row's generation: the rest is eos, uncomputed
-            ended = (jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mcfg.eos_token_id).all(-1)
-            x = jnp.where(ended[:, None] & gen_cols[None] & (col >= s + bl), mcfg.eos_token_id, x)
-        return blk + 1, x, nfe, ftok, calls
+            ended = (sl(x) == mcfg.eos_token_id).all(-1)
+            x = jnp.where(ended[:, None] & gen_cols & (col >= s + bl), mcfg.eos_token_id, x)
+        return blk + 1, x, pool, nfe, ftok, calls
 
     def blocks_left(carry):
         """Blocks remain and some row still has masks (early-stopped rows have none)."""
         blk, x = carry[:2]
-        return (blk < cfg.num_blocks) & ((x == mask_id) & gen_cols[None]).any()
+        return (blk < cfg.num_blocks) & ((x == mask_id) & gen_cols).any()
 
     zeros = jnp.zeros((b,), jnp.int32)
-    init = (jnp.int32(0), batch.tokens, zeros, zeros, jnp.int32(0))
-    _, x, nfe, ftok, calls = jax.lax.while_loop(blocks_left, block_body, init)
+    init = (jnp.int32(0), batch.tokens, pool0, zeros, zeros, jnp.int32(0))
+    _, x, _, nfe, ftok, calls = jax.lax.while_loop(blocks_left, block_body, init)
     return x, DecodeStats(nfe, ftok, calls)
 
 
-decode_batch = jax.jit(_decode, static_argnums=(0, 3))
+decode_batch = jax.jit(_decode, static_argnums=(0, 1, 4))
 
 
 def check_policy(config: DecodeConfig, request: Request, affix: Sequence[int] | None) -> None:
@@ -231,7 +240,7 @@ def generate(
         check_affix_cache(model, cache)
         k = config.anchors(cache.length)
     # Sort by length so that each batch pads little; results are put back in input order.
-    length = lambda r: sum(map(len, r.parts(affix_ids or [])[:2]))
+    length = lambda r: r.row(affix_ids or [], 0, 0).num_columns
     order = sorted(range(len(requests)), key=lambda i: length(requests[i]))
     chunks = [order[i:i + max_batch] for i in range(0, len(order), max_batch)]
     if progress:
@@ -247,12 +256,12 @@ def generate(
         start = time.perf_counter()
         batch = make_batch([requests[i] for i in chunk], config.gen_length, model.config, affix_ids)
         if config.selective:
-            anchors = (select_anchors_jit(model.graphdef, model.params, batch, cache, k, config.selector,
-                                          model.config.mask_token_id, config.attn_backend)
+            anchors = (select_anchors_jit(model.graphdef, model.config, model.params, batch, cache, k, config.selector,
+                                          config.attn_backend)
                        if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
-            result = decode_batch(model.graphdef, model.params, batch, config, cache, anchors)
+            result = decode_batch(model.graphdef, model.config, model.params, batch, config, cache, anchors)
         else:
-            anchors, result = None, decode_batch(model.graphdef, model.params, batch, config)
+            anchors, result = None, decode_batch(model.graphdef, model.config, model.params, batch, config)
         (out, stats), anchors = jax.device_get((result, anchors))
         elapsed = time.perf_counter() - start
         g0 = batch.gen_start

@@ -1,10 +1,11 @@
-"""Requests and their padded, bucketed batch layout.
+"""Requests, the columns of one request (`Row`), and the padded, bucketed batch of the static path.
 
-A row is [left pad][left tokens][generation: gen_length masks][right tokens][right pad], where the
-affix (if any) sits in the left part (prefix: [affix][prompt], infix: [prompt][affix][tail]) or is
-the right part (suffix: [prompt][masks][affix]). The generation region starts at the same column in
-every row, so decoding blocks are aligned across the batch; positions count only a row's real
-tokens, so padding never changes a row's result.
+A request's row is [left tokens][generation: gen_length masks][right tokens], where the affix (if
+any) sits in the left part (prefix: [affix][prompt], infix: [prompt][affix][tail]) or is the right
+part (suffix: [prompt][masks][affix]). The engine keeps rows as they are; a static batch pads them
+to [left pad][left][gen][right][right pad] so that the generation region starts at the same column
+in every row and decoding blocks align. Positions count only a row's real tokens, so padding never
+changes a row's result.
 """
 
 from __future__ import annotations
@@ -74,16 +75,61 @@ class Request:
     affix_position: AffixPosition | None = None
     seed: int = 0
 
-    def parts(self, affix: Sequence[int]) -> tuple[list[int], list[int], int]:
-        """(left tokens, right tokens, affix offset: index in left, or len(left) + gen for the right)."""
-        prompt, tail = list(self.prompt), list(self.tail)
+    def row(self, affix: Sequence[int], gen_length: int, mask_id: int) -> Row:
+        """This request's columns with `affix` placed (ignored without an affix_position)."""
+        prompt, tail, affix = list(self.prompt), list(self.tail), list(affix)
+        masks = [mask_id] * gen_length
         if self.affix_position is None:
-            return prompt + tail, [], -1
-        if self.affix_position == "prefix":
-            return list(affix) + prompt + tail, [], 0
-        if self.affix_position == "infix":
-            return prompt + list(affix) + tail, [], len(prompt)
-        return prompt + tail, list(affix), -2  # suffix: right after the generation region
+            return Row(np.asarray(prompt + tail + masks, np.int32), len(prompt) + len(tail), gen_length)
+        if self.affix_position == "suffix":
+            left = prompt + tail
+            return Row(np.asarray(left + masks + affix, np.int32), len(left), gen_length, len(left) + gen_length,
+                       len(affix))
+        left = affix + prompt + tail if self.affix_position == "prefix" else prompt + affix + tail
+        start = 0 if self.affix_position == "prefix" else len(prompt)
+        return Row(np.asarray(left + masks, np.int32), len(left), gen_length, start, len(affix))
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """The columns of one request: tokens [left][gen_length masks][right], where its generation
+    region and its affix (if any) sit. A column's index is its position."""
+
+    tokens: np.ndarray  # [T] int32
+    gen_start: int
+    gen_length: int
+    affix_start: int = 0
+    affix_len: int = 0
+
+    @property
+    def num_columns(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def left(self) -> int:
+        return self.gen_start
+
+    @property
+    def right(self) -> int:
+        return self.num_columns - self.gen_start - self.gen_length
+
+    @property
+    def affix_columns(self) -> np.ndarray:
+        return np.arange(self.affix_start, self.affix_start + self.affix_len, dtype=np.int32)
+
+    def private_columns(self, anchors: np.ndarray) -> np.ndarray:
+        """int32 [T - L + K]: the anchors' columns and every non-affix column, in column order."""
+        private = np.ones(self.num_columns, bool)
+        private[self.affix_start:self.affix_start + self.affix_len] = False
+        private[self.affix_start + np.asarray(anchors, np.int64)] = True
+        return np.flatnonzero(private).astype(np.int32)
+
+    def shared_columns(self, anchors: np.ndarray) -> np.ndarray:
+        """int32 [L - K]: the affix columns that are not anchors, in column order."""
+        shared = np.zeros(self.num_columns, bool)
+        shared[self.affix_start:self.affix_start + self.affix_len] = True
+        shared[self.affix_start + np.asarray(anchors, np.int64)] = False
+        return np.flatnonzero(shared).astype(np.int32)
 
 
 @jax.tree_util.register_dataclass
@@ -124,6 +170,19 @@ def batch_bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def token_bucket(n: int, floor: int = 16, ceiling: int = 128) -> int:
+    """A packed token axis for n tokens: n rounded up to a multiple of a step that grows with n
+    (n / 8 rounded down to a power of two, within [floor, ceiling]): at most ~1/8 padding, eight
+    sizes per octave up to 8 x ceiling tokens, a size per `ceiling` tokens beyond."""
+    step = min(ceiling, max(floor, 1 << max(0, n.bit_length() - 4)))
+    return -(-max(n, 1) // step) * step
+
+
+def row_bucket(n: int) -> int:
+    """Rows for n requests: powers of two up to 4, then multiples of 4."""
+    return batch_bucket(n) if n <= 4 else -(-n // 4) * 4
+
+
 def check_request(r: Request, gen_length: int, mcfg: ModelConfig, affix: list[int] | None) -> None:
     """A clear error for a request that cannot run (affix: its ids, already checked)."""
     if not isinstance(r, Request):
@@ -144,12 +203,12 @@ def check_request(r: Request, gen_length: int, mcfg: ModelConfig, affix: list[in
                            f"{r.affix_position!r}")
     if len(r.prompt) == 0:
         raise RequestError("empty prompt")
-    left, right, _ = r.parts(affix or [])
-    total = len(left) + len(right) + gen_length
-    if total > mcfg.max_seq_len:
-        raise RequestError(f"{len(left) + len(right)} prompt and affix tokens + {gen_length} generated = {total} "
-                           f"exceeds the model's context of {mcfg.max_seq_len}")
-    bad = [t for t in (*left, *right) if not 0 <= t < mcfg.vocab_size]
+    row = r.row(affix or [], gen_length, mcfg.mask_token_id)
+    if row.num_columns > mcfg.max_seq_len:
+        raise RequestError(f"{row.num_columns - gen_length} prompt and affix tokens + {gen_length} generated = "
+                           f"{row.num_columns} exceeds the model's context of {mcfg.max_seq_len}")
+    given = np.concatenate([row.tokens[:row.gen_start], row.tokens[row.gen_start + gen_length:]])
+    bad = given[(given < 0) | (given >= mcfg.vocab_size)].tolist()
     if bad:
         raise RequestError(f"token ids outside the vocabulary [0, {mcfg.vocab_size}): {bad[:5]}")
 
@@ -170,25 +229,22 @@ def make_batch(
     requests: Sequence[Request], gen_length: int, mcfg: ModelConfig, affix: Sequence[int] | None = None,
     batch_size: int | None = None,
 ) -> Batch:
-    """Pad requests into one bucketed batch (left part left-padded, right part right-padded)."""
-    affix = list(affix) if affix is not None else []
-    parts = [r.parts(affix) for r in requests]
+    """Pad the requests' rows into one bucketed batch (left part left-padded, right part right-padded)."""
+    rows = [r.row(affix or [], gen_length, mcfg.mask_token_id) for r in requests]
     b = batch_size or batch_bucket(len(requests))
-    left = bucket(max(len(lp) for lp, _, _ in parts))
-    right = bucket(max(len(rp) for _, rp, _ in parts), minimum=8)
-    g = gen_length
-    tokens = np.full((b, left + g + right), mcfg.pad_token_id, np.int32)
+    left = bucket(max(row.left for row in rows))
+    right = bucket(max(row.right for row in rows), minimum=8)
+    tokens = np.full((b, left + gen_length + right), mcfg.pad_token_id, np.int32)
     valid = np.zeros(tokens.shape, bool)
     affix_start = np.zeros(b, np.int32)
-    for i, (lp, rp, offset) in enumerate(parts):
-        tokens[i, left - len(lp):left] = lp
-        tokens[i, left:left + g] = mcfg.mask_token_id
-        tokens[i, left + g:left + g + len(rp)] = rp
-        valid[i, left - len(lp):left + g + len(rp)] = True
-        affix_start[i] = left + g if offset == -2 else left - len(lp) + max(offset, 0)
+    for i, row in enumerate(rows):
+        pad = left - row.left
+        tokens[i, pad:pad + row.num_columns] = row.tokens
+        valid[i, pad:pad + row.num_columns] = True
+        affix_start[i] = pad + row.affix_start
     positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
     seeds = [r.seed for r in requests] + [0] * (b - len(requests))
     keys = jnp.stack([jax.random.key(s) for s in seeds])
     has_affix = any(r.affix_position is not None for r in requests)
     return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid), keys, jnp.asarray(affix_start), left,
-                 len(affix) if has_affix else 0)
+                 len(affix) if has_affix and affix else 0)

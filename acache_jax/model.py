@@ -2,9 +2,9 @@
 
 One network serves both: pre-norm blocks with RMSNorm (fp32), RoPE (rotate-half), MHA or GQA with
 optional q/k/v bias, a SwiGLU MLP and an untied LM head. Dream's logit shift is a property of the
-config. The single `__call__` is what every cache policy uses: it computes the tokens it is given
-at explicit positions, reads any other keys from an external `KVView`, and returns the K (before
-RoPE) and V it computed so callers can cache them.
+config. The single entry is `forward(graphdef, params, tokens, inputs)`: the tokens it is given,
+at the positions `inputs` says, attending either to their own rows (dense) or, through a
+`PoolAccess`, to pool rows after writing their own K/V there (every cache policy, static or served).
 """
 
 from __future__ import annotations
@@ -19,18 +19,36 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from acache_jax.attention import KVView, attend
+from acache_jax.attention import attend_dense, attend_pool
 from acache_jax.config import DecodeConfig, InputError, ModelConfig
+from acache_jax.kv import KVPool, PoolAccess
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardInputs:
+    """Everything a forward needs besides its tokens.
+
+    Dense (access None): tokens [B, T] attend to their row's tokens where `valid`. With a pool
+    (`access`): tokens [M] (any segments side by side) write their K/V at `access.write_slots`,
+    then read their segment's rows (acache_jax/kv.py).
+    """
+
+    positions: jax.Array  # [B, T] or [M] int32
+    valid: jax.Array | None = None  # dense: [B, T] bool, which tokens are keys (padding: False); default all
+    access: PoolAccess | None = None
+    logit_index: jax.Array | None = None  # token indices whose logits are wanted (dense: [B, Tl] along T; pool: any shape into M)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class ForwardOutput:
-    logits: jax.Array | None  # [B, Tl, V] float32, Tl = T or len(logit_index)
+    logits: jax.Array | None  # [B, Tl, V] (dense) or [*logit_index.shape, V] (pool), float32
     # Per layer (a tuple, not a stacked array: stacking would copy every layer's K/V once more):
-    k: tuple[jax.Array, ...]  # layers x [B, T, kv_heads, head_dim] keys of the computed tokens, before RoPE
-    v: tuple[jax.Array, ...]  # layers x [B, T, kv_heads, head_dim]
-    probe: jax.Array | None = None  # [B, N] float32 anchor-probe importance of each external key
+    k: tuple[jax.Array, ...]  # layers x [B, T | M, kv_heads, head_dim] keys of the computed tokens, before RoPE
+    v: tuple[jax.Array, ...]  # layers x [B, T | M, kv_heads, head_dim]
+    pool: KVPool | None = None  # the pool after this forward's writes
+    probe: jax.Array | None = None  # [S, N] float32 anchor-probe importance of the probed read set's rows
 
 
 class RMSNorm(nnx.Module):
@@ -65,14 +83,23 @@ class Attention(nnx.Module):
         self.o = Linear(cfg.num_heads * hd, d, False, dtype, rngs)
         self.cfg = cfg
 
-    def __call__(self, x, positions, valid, kv, layer, backend, probe):
+    def __call__(self, x: jax.Array, inputs: ForwardInputs, layer: int, backend: str | None):
+        """(output, k, v, pool K and V of this layer or None, probe scores or None)."""
         cfg = self.cfg
-        b, t, _ = x.shape
-        q = self.q(x).reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = self.k(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v(x).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        out, scores = attend(q, k, v, positions, valid, kv, layer, cfg.rope_theta, backend, probe)
-        return self.o(out.reshape(b, t, -1)), k, v, scores
+        lead = x.shape[:-1]
+        with jax.named_scope("qkv"):
+            q = self.q(x).reshape(*lead, cfg.num_heads, cfg.head_dim)
+            k = self.k(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+            v = self.v(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+        with jax.named_scope("attention"):
+            if inputs.access is None:
+                valid = jnp.ones(lead, bool) if inputs.valid is None else inputs.valid
+                out, pool_kv, scores = attend_dense(q, k, v, inputs.positions, valid, cfg.rope_theta, backend), None, None
+            else:
+                out, pool_k, pool_v, scores = attend_pool(q, k, v, inputs.positions, inputs.access, layer,
+                                                          cfg.rope_theta, backend)
+                pool_kv = (pool_k, pool_v)
+        return self.o(out.reshape(*lead, -1)), k, v, pool_kv, scores
 
 
 class MLP(nnx.Module):
@@ -92,10 +119,11 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, valid, kv, layer, backend, probe):
-        h, k, v, scores = self.attn(self.attn_norm(x), positions, valid, kv, layer, backend, probe)
+    def __call__(self, x: jax.Array, inputs: ForwardInputs, layer: int, backend: str | None):
+        h, k, v, pool_kv, scores = self.attn(self.attn_norm(x), inputs, layer, backend)
         x = x + h
-        return x + self.mlp(self.mlp_norm(x)), k, v, scores
+        with jax.named_scope("mlp"):
+            return x + self.mlp(self.mlp_norm(x)), k, v, pool_kv, scores
 
 
 class Transformer(nnx.Module):
@@ -108,63 +136,61 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 
-    def __call__(
-        self,
-        token_ids: jax.Array,
-        positions: jax.Array,
-        *,
-        valid: jax.Array | None = None,
-        kv: KVView | None = None,
-        logit_index: jax.Array | None = None,
-        with_logits: bool = True,
-        attn_backend: str | None = None,
-        probe: jax.Array | None = None,
-        one_hot_embed: bool = False,
-    ) -> ForwardOutput:
-        """Forward over the given tokens.
+    def __call__(self, token_ids: jax.Array, inputs: ForwardInputs, *, with_logits: bool = True,
+                 attn_backend: str | None = None, one_hot_embed: bool = False) -> ForwardOutput:
+        """Forward over the given tokens ([B, T] dense, [M] with a pool; see `ForwardInputs`).
 
-        token_ids, positions: [B, T] int; valid: [B, T] bool, whether each token may be attended to
-        as a key (padding: False; default all True); kv: keys/values to attend to in addition;
-        logit_index: [B, Tl] indices into the T axis where logits are wanted (default: all).
-        Dream's shift is along the T axis of this call: logits at index j come from index j-1
-        (index 0 keeps its own), exactly as upstream shifts the logits of whatever it computed.
+        Dream's shift is along the tokens of this call: logits at token j come from token j-1 of the
+        same row or segment (the first keeps its own), exactly as upstream shifts the logits of
+        whatever it computed.
         attn_backend: "xla" (plain jnp, any device), "pallas" (the gathered-attention kernel; interpreted
             off GPU) or "cudnn" (fused GPU kernel, bf16); default: pallas on a GPU, else xla.
-        probe: [B, T] bool, the queries of ACache's anchor probe: the output's `probe` is then, per
-        external key, their attention over the external keys alone, summed over layers and heads.
         one_hot_embed: look the embeddings up as a one-hot matmul (same values). For training models
         with small vocabularies: its gradient is a matmul, where the lookup's is a scatter-add that
         serialises on repeated ids such as the mask id (a 7x slower training step on an H200).
         """
-        if valid is None:
-            valid = jnp.ones(token_ids.shape, bool)
         table = self.embed[...]
         if one_hot_embed:
             x = jax.nn.one_hot(token_ids, table.shape[0], dtype=table.dtype) @ table
         else:
             x = jnp.take(table, token_ids, axis=0)
-        ks, vs = [], []
+        ks, vs, pool_k, pool_v = [], [], [], []
         importance = None
         # A Python loop, unrolled under jit: a scan over stacked layers copies each layer's
         # weights through dynamic slices, which doubles the latency of small decode forwards.
         for layer, block in enumerate(self.layers):
-            x, k, v, scores = block(x, positions, valid, kv, layer, attn_backend, probe)
+            x, k, v, pool_kv, scores = block(x, inputs, layer, attn_backend)
             ks.append(k)
             vs.append(v)
+            if pool_kv is not None:
+                pool_k.append(pool_kv[0])
+                pool_v.append(pool_kv[1])
             if scores is not None:
                 importance = scores if importance is None else importance + scores
+        pool = KVPool(tuple(pool_k), tuple(pool_v)) if inputs.access is not None else None
         logits = None
         if with_logits:
-            idx = logit_index
+            with jax.named_scope("lm_head"):
+                h = self.final_norm(self._logit_rows(x, inputs))
+                logits = jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return ForwardOutput(logits, tuple(ks), tuple(vs), pool, importance)
+
+    def _logit_rows(self, x: jax.Array, inputs: ForwardInputs) -> jax.Array:
+        """The hidden states the logits come from (Dream: each from the token before it)."""
+        idx = inputs.logit_index
+        if inputs.access is None:  # dense: along T
             if self.cfg.logit_shift:
                 if idx is None:
-                    idx = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
+                    idx = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
                 idx = jnp.maximum(idx - 1, 0)
-            if idx is not None:
-                x = jnp.take_along_axis(x, idx[..., None], axis=1)
-            h = self.final_norm(x)
-            logits = jnp.dot(h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
-        return ForwardOutput(logits, tuple(ks), tuple(vs), importance)
+            return x if idx is None else jnp.take_along_axis(x, idx[..., None], axis=1)
+        if idx is None:
+            idx = jnp.arange(x.shape[0])
+        if self.cfg.logit_shift:  # the previous token if it belongs to the same segment
+            segment = inputs.access.segment
+            before = jnp.maximum(idx - 1, 0)
+            idx = jnp.where((idx > 0) & (segment[before] == segment[idx]), before, idx)
+        return x[idx]
 
 
 def abstract_transformer(cfg: ModelConfig, dtype: Any) -> Transformer:
@@ -172,10 +198,10 @@ def abstract_transformer(cfg: ModelConfig, dtype: Any) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
 
 
-def forward(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, positions: jax.Array,
+def forward(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, inputs: ForwardInputs,
             **kwargs: Any) -> ForwardOutput:
-    """Pure-function form of `Transformer.__call__` for use inside jitted code."""
-    return nnx.merge(graphdef, params)(token_ids, positions, **kwargs)
+    """The one functional entry to the network (inside jitted code): merge and run."""
+    return nnx.merge(graphdef, params)(token_ids, inputs, **kwargs)
 
 
 # End-of-turn tokens of the families' chat templates: generated text ends at the first of them.
@@ -251,8 +277,9 @@ class Model:
     def dtype(self) -> jnp.dtype:
         return self.params["embed"][...].dtype
 
-    def forward(self, token_ids: jax.Array, positions: jax.Array, **kwargs: Any) -> ForwardOutput:
-        return _jit_forward(self.graphdef, self.params, token_ids, positions, **kwargs)
+    def forward(self, token_ids: jax.Array, inputs: ForwardInputs, **kwargs: Any) -> ForwardOutput:
+        """`forward` with this model's weights, jitted (static keywords: with_logits, attn_backend)."""
+        return _jit_forward(self.graphdef, self.params, token_ids, inputs, **kwargs)
 
     def logits(self, token_ids: jax.Array) -> jax.Array:
         """Logits [B, T, V] float32 predicting every position of `token_ids` [B, T] under full
@@ -264,7 +291,7 @@ class Model:
         if bad.size:
             raise InputError(f"token ids outside the vocabulary [0, {self.config.vocab_size}): {bad[:5].tolist()}")
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        return self.forward(jnp.asarray(ids, jnp.int32), positions).logits
+        return self.forward(jnp.asarray(ids, jnp.int32), ForwardInputs(positions)).logits
 
 
 _jit_forward = jax.jit(forward, static_argnums=0, static_argnames=("with_logits", "attn_backend", "one_hot_embed"))

@@ -165,19 +165,18 @@ def dream_schedule_commit(
 
 
 def commit_block(block: jax.Array, logits: jax.Array, step: jax.Array, keys: jax.Array, sched: jax.Array,
-                 cfg: SamplerConfig, steps_per_block: int, block_start: bool) -> jax.Array:
+                 cfg: SamplerConfig, steps_per_block: int, block_start: bool | jax.Array) -> jax.Array:
     """One commit on the blocks [B, bl] from their logits [B, bl, V]: the block's tokens afterwards.
 
     step: the in-block step (0 at the block start), a scalar or per row [B]; keys: per-row keys of
-    this step; sched: the LLaDA fixed schedule [B, steps] (`llada_schedule`). The one commit rule
-    of the static path and the engine.
+    this step; sched: the LLaDA fixed schedule [B, steps] (`llada_schedule`); block_start: whether
+    each row (or all) commits from its block-start forward, where Dream commits only the block's
+    first token. The one commit rule of the static path and the engine.
     """
     masked = block == cfg.mask_token_id
     x0, conf = propose(logits, keys, cfg)
     step = jnp.broadcast_to(step, block.shape[:1])
-    if block_start and cfg.family == "dream":  # Dream commits only the block's first token here
-        chosen = masked & (jnp.arange(block.shape[1]) == 0)[None]
-    elif cfg.factor is not None:
+    if cfg.factor is not None:
         chosen = factor_commit(conf, masked, cfg.factor)
     elif cfg.threshold is not None:
         chosen = threshold_commit(conf, masked, cfg.threshold)
@@ -186,4 +185,7 @@ def commit_block(block: jax.Array, logits: jax.Array, step: jax.Array, keys: jax
         chosen = top_k_commit(conf, masked, k)
     else:
         chosen = dream_schedule_commit(conf, masked, step, steps_per_block, keys, cfg)
+    if cfg.family == "dream":  # Dream commits only the block's first token at the block start
+        first = masked & (jnp.arange(block.shape[1]) == 0)[None]
+        chosen = jnp.where(jnp.broadcast_to(block_start, block.shape[:1])[:, None], first, chosen)
     return jnp.where(chosen, x0, block)

@@ -45,7 +45,7 @@ def analyse(model: Model, placement: str, shots: int, n: int, ratio: float, seed
     batch = make_batch([request(encode, q, placement, i) for i, q in enumerate(questions)],
                        model.generation_config.gen_length,
                        model.config, affix)
-    scores = {"attention": probe_importance(model.graphdef, model.params, batch, cache, model.config.mask_token_id),
+    scores = {"attention": probe_importance(model.graphdef, model.config, model.params, batch, cache),
               "hkvd": hkvd_deviation(model.graphdef, model.params, batch, cache)}
     k = anchor_count(ratio, len(affix))
     bindings = []  # per question: where the asked binding starts in the affix (once per shot)

@@ -40,8 +40,8 @@ def main() -> None:
     for b in [int(x) for x in args.batches.split(",")]:
         reqs = [Request(rng.integers(0, 126000, args.prompt).tolist(), affix_position="prefix") for _ in range(b)]
         batch = make_batch(reqs, args.gen, cfg, [int(t) for t in affix.ids])
-        fn = lambda: select_anchors_jit(model.graphdef, model.params, batch, affix, k, "attention",
-                                        cfg.mask_token_id, args.backend)
+        fn = lambda: select_anchors_jit(model.graphdef, cfg, model.params, batch, affix, k, "attention",
+                                        args.backend)
         sec = median_seconds(fn)
         print(f"| {b} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} |")
 

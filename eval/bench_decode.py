@@ -28,12 +28,12 @@ import numpy as np
 from flax import nnx
 
 from acache_jax.acache import build_affix_cache, select_anchors_jit
-from acache_jax.attention import KVView, cudnn_attention, dense_attention
-from acache_jax.config import ModelConfig
-from acache_jax.config import DecodeConfig
+from acache_jax.attention import cudnn_attention, dense_attention
+from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.decode import decode_batch
 from acache_jax.layout import Request, make_batch
-from acache_jax.model import Model, abstract_transformer, forward
+from acache_jax.kv import KVPool, read_set, rows_access
+from acache_jax.model import ForwardInputs, Model, abstract_transformer, forward
 from acache_jax.files import write_atomic
 
 PEAK_TFLOPS = 800.0  # bf16 dense matmul measured on one H200 (8192^3 product, random data)
@@ -120,12 +120,20 @@ def main() -> None:
 
     def full(params, ids, pos):
         idx = jnp.broadcast_to(pos.shape[1] - g + jnp.arange(bl), (ids.shape[0], bl))
-        out = forward(model.graphdef, params, ids, pos, logit_index=idx, attn_backend=args.backend)
+        out = forward(model.graphdef, params, ids, ForwardInputs(pos, logit_index=idx), attn_backend=args.backend)
         return out.logits, out.k, out.v
 
     def block(params, ids, pos, k, v, kpos, kvalid):
-        kv = KVView(k, v, kpos, kvalid)
-        return forward(model.graphdef, params, ids, pos, kv=kv, attn_backend=args.backend).logits
+        """The block [B, bl] (its positions are its columns) written into its rows' pool, reading
+        the cached columns and itself."""
+        b, t = kpos.shape
+        pool = KVPool.from_rows(k, v, kpos, cfg.rope_theta)
+        rows = jnp.arange(b)[:, None] * t
+        write = rows + pos
+        in_block = jnp.zeros((b, t), bool).at[jnp.arange(b)[:, None], pos].set(True)
+        reads = (read_set(rows + jnp.arange(t)[None], kvalid | in_block, jnp.zeros(b)),)
+        inputs = ForwardInputs(pos.reshape(-1), access=rows_access(pool, write, reads))
+        return forward(model.graphdef, params, ids.reshape(-1), inputs, attn_backend=args.backend).logits
 
     # ---- lower everything, compile in parallel ----
     jobs = {}
@@ -153,11 +161,11 @@ def main() -> None:
                 extra = ()
                 if dcfg.selective:
                     k = dcfg.anchors(args.affix)
-                    anchors = (select_anchors_jit(model.graphdef, model.params, batch, affix, k, "attention",
-                                                  cfg.mask_token_id, args.backend) if k else
+                    anchors = (select_anchors_jit(model.graphdef, cfg, model.params, batch, affix, k, "attention",
+                                                  args.backend) if k else
                                jnp.zeros((b, 0), jnp.int32))
                     extra = (affix, anchors)
-                jobs[(policy, b, p)] = (decode_batch.lower(model.graphdef, model.params, batch, dcfg, *extra),
+                jobs[(policy, b, p)] = (decode_batch.lower(model.graphdef, cfg, model.params, batch, dcfg, *extra),
                                         (model.params, batch, *extra))
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:

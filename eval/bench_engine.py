@@ -6,11 +6,14 @@ LLaDA-8B and Dream-7B shapes with random bf16 weights; per (model, shots, batch)
 decode the same requests with the same weights: `batch` requests of a shared prefix affix of
 `shots` GSM8K-like few-shot examples (SHOT_TOKENS tokens each, about what LLaDA's tokenizer gives
 a GSM8K example with its worked answer) + a QUESTION_TOKENS-token question, gen 256, block 32, a
-fixed commit schedule (`--steps`; both policies do the same NFE), ratio 0.2. Reported per policy:
-median recompute latency per call (block start), end-to-end generated tokens/s, peak KV memory
-(pool blocks in use), and MFU (matmul FLOPs performed / time / 800 TFLOP/s).
-Every case is compiled first (one warm-up engine iteration per case and policy, several at once in
-threads), then the cases are timed one after another on fresh engines.
+fixed commit schedule (`--steps`; both policies do the same NFE), ratio 0.2.
+Every case is compiled first (a whole warm-up run per case and policy, several at once in threads),
+then timed on fresh engines, one case at a time: a plain run (tokens/s, host time: the time the
+device waited for the host) and a profiled run that waits for every jitted call (recompute, probe
+and in-block step latencies). Reported per policy: those, peak KV memory (pool blocks in use),
+MFU (FLOPs of the tokens computed / time / 800 TFLOP/s) and the time model: each forward at
+TIME_MODEL_TFLOPS or at the time to read the weights at TIME_MODEL_TBPS, whichever is longer, no
+host gaps.
 """
 
 from __future__ import annotations
@@ -24,12 +27,11 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from acache_jax.config import ModelConfig
-from acache_jax.config import DecodeConfig
+from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.engine import Engine
 from acache_jax.layout import Request
 from acache_jax.files import write_atomic
-from eval.bench_decode import PEAK_TFLOPS, forward_flops, llada_8b, random_model
+from eval.bench_decode import PEAK_TFLOPS, llada_8b, random_model
 
 SHOT_TOKENS = 230
 QUESTION_TOKENS = 80
@@ -50,15 +52,22 @@ def workload(cfg: ModelConfig, shots: int, batch: int, seed: int = 0) -> tuple[l
     return affix, [Request(ids(QUESTION_TOKENS), affix_position="prefix", seed=i) for i in range(batch)]
 
 
-def engine_flops(cfg: ModelConfig, engine: Engine, affix_len: int, policy: str, dcfg: DecodeConfig) -> float:
-    """Matmul FLOPs the run performed: recomputes over the private columns, in-block steps over one
-    block, both against the whole sequence."""
-    total_cols = affix_len + QUESTION_TOKENS + dcfg.gen_length
-    private = total_cols if policy == "baseline" else total_cols - affix_len + dcfg.anchors(affix_len)
-    flops = sum(forward_flops(cfg, rows, private, total_cols, dcfg.block_length) for rows in engine.stats.recompute_rows)
-    rows_per_decode = len(engine.stats.recompute_rows) and sum(engine.stats.recompute_rows) / len(engine.stats.recompute_rows)
-    flops += len(engine.stats.decode) * forward_flops(cfg, 1, dcfg.block_length, total_cols, dcfg.block_length) * rows_per_decode
-    return flops
+TIME_MODEL_TFLOPS = 700.0  # sustained bf16 matmul rate assumed by the time model
+TIME_MODEL_TBPS = 4.0  # HBM read rate assumed by the time model
+
+
+def forward_costs(cfg: ModelConfig, engine: Engine) -> tuple[float, float]:
+    """(FLOPs of every forward the engine ran, the time model's seconds for them)."""
+    d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    per_token = cfg.num_layers * 2 * (2 * d * d + 2 * d * kv + 3 * d * cfg.intermediate_size)
+    per_key = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim
+    weight_bytes = 2 * cfg.num_params
+    flops, model_s = 0.0, 0.0
+    for tokens, token_keys, logits in engine.runner.work:
+        f = tokens * per_token + token_keys * per_key + 2 * logits * d * cfg.vocab_size
+        flops += f
+        model_s += max(f / (TIME_MODEL_TFLOPS * 1e12), weight_bytes / (TIME_MODEL_TBPS * 1e12))
+    return flops, model_s
 
 
 def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[int], list[Request], int, dict]:
@@ -67,22 +76,19 @@ def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[i
     # Sized per case: the warm-up compiles several cases at once, each holding its engine's pool.
     pool_tokens = batch * (len(affix) + QUESTION_TOKENS + args.gen) + len(affix) + 64 * batch
     configs = {p: DecodeConfig(gen_length=args.gen, block_length=args.block, steps=args.steps, threshold=None,
-                               cache=c, anchor_ratio=args.ratio, attn_backend=args.backend)
+                               cache=c, anchor_ratio=args.ratio, attn_backend=args.backend, early_stop=False)
                for p, c in POLICIES.items()}
     return affix, requests, pool_tokens, configs
 
 
 def warm(model, shots: int, batch: int, policy: str, args) -> None:
-    """Compile a case's step functions: one engine iteration (admission, probe, recompute, decode)."""
+    """Compile a case's programs: one whole run (every iteration's shapes)."""
     affix, requests, pool_tokens, configs = case_configs(model.config, shots, batch, args)
-    engine = Engine(model, configs[policy], pool_tokens=pool_tokens, max_batch=batch)
-    for r in requests:
-        engine.add(r, affix)
-    engine.step()
+    Engine(model, configs[policy], pool_tokens=pool_tokens, max_batch=batch).generate(requests, affix)
 
 
 def run_case(model, name: str, shots: int, batch: int, args) -> dict:
-    """Both policies on one case, on fresh engines whose step functions are already compiled."""
+    """Both policies on one case, on fresh engines whose programs are already compiled."""
     cfg = model.config
     affix, requests, pool_tokens, configs = case_configs(cfg, shots, batch, args)
     row = dict(model=name, shots=shots, affix_tokens=len(affix), question_tokens=QUESTION_TOKENS, batch=batch)
@@ -90,12 +96,20 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
         engine = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch)
         results = engine.generate(requests, affix)
         stats = engine.stats.summary()
-        flops = engine_flops(cfg, engine, len(affix), policy, dcfg)
-        row[policy] = dict(recompute_ms=1e3 * stats["recompute_median_s"], decode_ms=1e3 * stats["decode_median_s"],
-                           probe_ms=1e3 * float(np.median(engine.stats.probe)) if engine.stats.probe else 0.0,
+        flops, model_s = forward_costs(cfg, engine)
+        profiled = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch, profile=True)
+        profiled.generate(requests, affix)
+        prof = profiled.stats.summary()
+        probe_s = sum(t for kind, t in profiled.stats.packed if kind == "probe")
+        row[policy] = dict(recompute_ms=1e3 * prof.get("recompute_median_s", 0.0),
+                           decode_step_ms=1e3 * prof.get("decode_step_median_s", 0.0),
+                           probe_ms=1e3 * probe_s, probe_fraction=probe_s / prof["seconds"],
                            tokens_per_s=stats["tokens_per_s"], seconds=stats["seconds"],
-                           peak_kv_gb=stats["peak_kv_bytes"] / 1e9, nfe=int(np.mean([r.nfe for r in results])),
-                           mfu=flops / stats["seconds"] / (PEAK_TFLOPS * 1e12))
+                           host_fraction=stats["host_seconds"] / stats["seconds"],
+                           model_seconds=model_s, peak_kv_gb=stats["peak_kv_bytes"] / 1e9,
+                           nfe=int(np.mean([r.nfe for r in results])), mfu=flops / stats["seconds"] / (PEAK_TFLOPS * 1e12),
+                           padded_over_forward=stats["padded_tokens"] / stats["forward_tokens"],
+                           iterations=stats["iterations"])
     b, a = row["baseline"], row["acache"]
     row["recompute_reduction"] = 1 - a["recompute_ms"] / b["recompute_ms"]
     row["speedup"] = a["tokens_per_s"] / b["tokens_per_s"]
@@ -105,14 +119,18 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | shots (affix tokens) | B | recompute ms base / acache (cut) | tok/s base / acache (speedup) | "
-             "peak KV GB base / acache (cut) | MFU base / acache |", "|---|---|---|---|---|---|---|"]
+             "in-block step ms | probe, host (% of ACache run) | peak KV GB (cut) | MFU base / acache | "
+             "s: run / time model, base; acache |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, a = r["baseline"], r["acache"]
         lines.append(f"| {r['model']} | {r['shots']} ({r['affix_tokens']}) | {r['batch']} | "
                      f"{b['recompute_ms']:.1f} / {a['recompute_ms']:.1f} ({100 * r['recompute_reduction']:.0f}%) | "
                      f"{b['tokens_per_s']:.0f} / {a['tokens_per_s']:.0f} ({r['speedup']:.2f}x) | "
+                     f"{b['decode_step_ms']:.1f} / {a['decode_step_ms']:.1f} | "
+                     f"{100 * a['probe_fraction']:.1f}%, {100 * a['host_fraction']:.1f}% | "
                      f"{b['peak_kv_gb']:.2f} / {a['peak_kv_gb']:.2f} ({100 * r['kv_reduction']:.0f}%) | "
-                     f"{100 * b['mfu']:.0f}% / {100 * a['mfu']:.0f}% |")
+                     f"{100 * b['mfu']:.0f}% / {100 * a['mfu']:.0f}% | "
+                     f"{b['seconds']:.2f} / {b['model_seconds']:.2f}; {a['seconds']:.2f} / {a['model_seconds']:.2f} |")
     return "\n".join(lines)
 
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.attention import KVView
-from acache_jax.model import forward
+from acache_jax.kv import KVPool, read_set, rows_access
+from acache_jax.model import ForwardInputs, forward
 from eval.bench_decode import forward_flops, llada_8b, median_seconds, random_model
 
 
@@ -40,14 +40,17 @@ def main() -> None:
     for t in [int(x) for x in args.lengths.split(",")]:
         ids = jnp.asarray(rng.integers(0, 126000, (1, t)), jnp.int32)
         pos = jnp.arange(t, dtype=jnp.int32)[None]
-        out = jax.jit(lambda p, i, q: forward(gd, p, i, q, attn_backend="cudnn"))(params, ids, pos)
+        out = jax.jit(lambda p, i, q: forward(gd, p, i, ForwardInputs(q), attn_backend="cudnn"))(params, ids, pos)
         bids, bpos = ids[:, 300:332], pos[:, 300:332]
-        valid = jnp.ones((1, t), bool).at[:, 300:332].set(False)
-        for backend in ("cudnn", "xla"):
-            fn = jax.jit(lambda p, i, q, k, v: forward(gd, p, i, q, kv=KVView(k, v, pos, valid), attn_backend=backend).logits)
-            sec = median_seconds(fn, params, bids, bpos, out.k, out.v, iters=20)
-            print(f"T={t} in-block forward, {backend}: {1e3 * sec:.2f} ms")
-        fn = jax.jit(lambda p, i, q: forward(gd, p, i, q, attn_backend="cudnn").logits)
+        reads = (read_set(jnp.arange(t)[None], jnp.ones((1, t), bool), jnp.zeros(1)),)
+        for backend in ("pallas", "xla"):
+            def fn(p, i, q, k, v, backend=backend):
+                access = rows_access(KVPool.from_rows(k, v, pos, cfg.rope_theta), q, reads)
+                return forward(gd, p, i.reshape(-1), ForwardInputs(q.reshape(-1), access=access),
+                               attn_backend=backend).logits
+            sec = median_seconds(jax.jit(fn), params, bids, bpos, out.k, out.v, iters=20)
+            print(f"T={t} in-block forward through the pool, {backend}: {1e3 * sec:.2f} ms")
+        fn = jax.jit(lambda p, i, q: forward(gd, p, i, ForwardInputs(q), attn_backend="cudnn").logits)
         sec = median_seconds(fn, params, bids, bpos, iters=20)
         print(f"T={t} in-block forward without cache keys: {1e3 * sec:.2f} ms")
         del out
@@ -56,9 +59,10 @@ def main() -> None:
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     idx = jnp.broadcast_to(t - 256 + jnp.arange(32), (b, 32))
     flops = forward_flops(cfg, b, t, t, 32)
-    with_kv = jax.jit(lambda p, i, q: (lambda o: (o.logits, o.k, o.v))(forward(gd, p, i, q, logit_index=idx, attn_backend="cudnn")))
-    logits_only = jax.jit(lambda p, i, q: forward(gd, p, i, q, logit_index=idx, attn_backend="cudnn").logits)
-    xla = jax.jit(lambda p, i, q: forward(gd, p, i, q, logit_index=idx, attn_backend="xla").logits)
+    run = lambda p, i, q, backend: forward(gd, p, i, ForwardInputs(q, logit_index=idx), attn_backend=backend)
+    with_kv = jax.jit(lambda p, i, q: (lambda o: (o.logits, o.k, o.v))(run(p, i, q, "cudnn")))
+    logits_only = jax.jit(lambda p, i, q: run(p, i, q, "cudnn").logits)
+    xla = jax.jit(lambda p, i, q: run(p, i, q, "xla").logits)
     for name, fn in (("full forward B16 T1156 returning K/V", with_kv), ("same, logits only", logits_only),
                      ("same, logits only, xla attention", xla)):
         sec = median_seconds(fn, params, ids, pos, iters=5)

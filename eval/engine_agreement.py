@@ -29,32 +29,37 @@ from eval.tasks.layouts import PLACEMENTS, affix_ids, encoder, request
 MODELS = Path(__file__).resolve().parents[1] / "acache_jax" / "models"
 
 
-def workload(model: Model, n: int, shots: int = 1, seed: int = 0) -> dict[tuple[int, ...], list]:
+def workload(model: Model, n: int, shots: int = 1, seed: int = 0, tasks: tuple[str, ...] = STUDY_TASKS
+             ) -> dict[tuple[int, ...], list]:
     """n requests, tasks and placements in turn, grouped by their (task's) affix ids."""
     encode = encoder(model.tokenizer)
     groups: dict[tuple[int, ...], list] = {}
-    splits = {task: eval_split(get_task(task), seed, n) for task in STUDY_TASKS}
+    splits = {task: eval_split(get_task(task), seed, n) for task in tasks}
     for i in range(n):
-        task, placement = STUDY_TASKS[i % len(STUDY_TASKS)], PLACEMENTS[1 + i % 3]
+        task, placement = tasks[i % len(tasks)], PLACEMENTS[1 + i % 3]
         examples, questions = splits[task]
         affix = tuple(affix_ids(encode, examples[:shots], placement))
-        groups.setdefault(affix, []).append(request(encode, questions[i // len(STUDY_TASKS)], placement, seed=i))
+        groups.setdefault(affix, []).append(request(encode, questions[i // len(tasks)], placement, seed=i))
     return groups
 
 
-def agreement(model: Model, n: int, policies: list[str], shots: int = 1, **settings: Any) -> list[dict[str, Any]]:
-    """Per policy: the share of requests with equal tokens on both paths (settings: DecodeConfig fields)."""
+def agreement(model: Model, n: int, policies: list[str], shots: int = 1, tasks: tuple[str, ...] = STUDY_TASKS,
+              **settings: Any) -> list[dict[str, Any]]:
+    """Per policy: the share of requests with equal tokens on both paths (settings: DecodeConfig
+    fields). One engine serves every request, whatever its affix; the static path runs per affix."""
     rows = []
-    groups = workload(model, n, shots)
+    groups = workload(model, n, shots, tasks=tasks)
     for policy in policies:
         config = model.decode_config(cache=policy, **settings)
+        engine = Engine(model, config, max_batch=16)
+        ids = {affix: [engine.add(r, list(affix)) for r in requests] for affix, requests in groups.items()}
+        served = {res.request_id: res for res in engine.run()}
         same = answers_differ = 0
         for affix, requests in groups.items():
             static = generate(model, requests, config, affix=list(affix), max_batch=64)
-            served = Engine(model, config, max_batch=16).generate(requests, list(affix))
-            for s, e in zip(static.tokens, served):
-                same += bool(np.array_equal(s, e.tokens))
-                answers_differ += model.answer_text(s) != model.answer_text(e.tokens)
+            for s, rid in zip(static.tokens, ids[affix]):
+                same += bool(np.array_equal(s, served[rid].tokens))
+                answers_differ += model.answer_text(s) != model.answer_text(served[rid].tokens)
         rows.append(dict(policy=policy, shots=shots, n=n, **settings, tokens_equal=same / n,
                          answers_differ=answers_differ))
     return rows
@@ -67,6 +72,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-n", type=int, default=200, help="requests per policy")
     p.add_argument("--policies", default="direct,acache,dual")
     p.add_argument("--shots", default="1", help="comma-separated few-shot counts of the affixes")
+    p.add_argument("--tasks", default=",".join(STUDY_TASKS), help="comma-separated tasks, taken in turn")
     p.add_argument("--gen-length", type=int, help="default: the model's")
     p.add_argument("--no-early-stop", action="store_true", help="compute every block")
     p.add_argument("--json", type=Path, help="also write the rows here")
@@ -84,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = dict(early_stop=not args.no_early_stop)
             if args.gen_length:
                 settings["gen_length"] = args.gen_length
-            for row in agreement(model, args.n, args.policies.split(","), shots, **settings):
+            for row in agreement(model, args.n, args.policies.split(","), shots, tuple(args.tasks.split(",")),
+                                 **settings):
                 rows.append(dict(model=Path(directory).name, dtype=args.dtype, **row))
                 print(json.dumps(rows[-1]), flush=True)
     if args.json:

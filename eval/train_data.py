@@ -55,8 +55,11 @@ def sample(rng: np.random.Generator, mixture: Mixture, encode, eos_id: int) -> t
     shots = int(rng.integers(1 if task.needs_affix else 0, mixture.max_shots + 1))
     placement = "none" if shots == 0 else PLACEMENTS[int(rng.integers(1, len(PLACEMENTS)))]
     *examples, example = task.generate(rng, shots + 1)
-    left, right, _ = request(encode, example, placement).parts(affix_ids(encode, examples, placement) or [])
-    return left + target_ids(encode, example, eos_id, mixture.gen_length) + right, len(left)
+    target = target_ids(encode, example, eos_id, mixture.gen_length)
+    row = request(encode, example, placement).row(affix_ids(encode, examples, placement) or [], len(target), 0)
+    tokens = row.tokens.tolist()
+    tokens[row.gen_start:row.gen_start + len(target)] = target
+    return tokens, row.gen_start
 
 
 def _chunk(tokenizer_json: str, mixture: Mixture, seed: int, index: int, count: int, seq_len: int,

@@ -1,8 +1,9 @@
 """Bidirectional attention whose keys/values are gathered from a KV pool through a read-slot map.
 
 Requests share pool rows (an affix's KV is stored once) by pointing their slot maps at the same
-slots; nothing is copied. Keys may be stored before RoPE and rotated at the logical position they
-are read at, so one stored span serves any offset (prefix, infix or suffix).
+slots; nothing is copied. Keys are stored already rotated (RoPE) at the position they were computed
+at; a span read at another offset is read with the query rotated by that offset instead, by the
+caller, so the kernel never rotates a key.
 
 Two backends with one signature: "xla" (plain jnp, the oracle and the CPU path) and "pallas"
 (Triton lowering: online softmax over key tiles; the query heads of one kv head are stacked on the
@@ -24,9 +25,10 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 BACKENDS = ("xla", "pallas")
 # Programs to aim for when choosing the key-range split: a couple per streaming multiprocessor.
 _TARGET_PROGRAMS = 264
-# (block_k, num_warps, num_stages) by whether keys are rotated at read: the fastest of the H200
-# tuning (docs/BENCHMARKS.md); with rotation, larger tiles and more warps hide the trigonometry.
-_TUNED = {True: (64, 8, 2), False: (32, 4, 3)}
+# (block_q, block_k, num_warps, num_stages) per regime: the fastest of the H200 tuning
+# (docs/BENCHMARKS.md). "decode": at most one query block of rows per kv head (an in-block step);
+# "recompute": more.
+_TUNED = {"decode": (128, 128, 8, 2), "recompute": (64, 64, 4, 3)}  # eval.bench_attention, H200, 2026-12-01
 
 
 def rope_inv_freq(head_dim: int, theta: float) -> jax.Array:
@@ -48,31 +50,29 @@ def gathered_attention(
     read_slot_map: jax.Array,
     kv_lens: jax.Array,
     *,
-    k_positions: jax.Array | None = None,
-    rope_theta: float | None = None,
     sm_scale: float | None = None,
     backend: str = "pallas",
     interpret: bool | None = None,
     return_lse: bool = False,
-    block_q: int = 128,
+    block_q: int | None = None,
     block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     splits: int | None = None,
-    rope_tables: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """softmax(q k^T * sm_scale) v with key n of row b read from pool row read_slot_map[b, n].
 
-    q: [B, Tq, Hq, D] (already rotated); k_pool, v_pool: [S, Hkv, D], Hq a multiple of Hkv (query
-    head h reads kv head h // (Hq // Hkv)); read_slot_map: int32 [B, Tk]; kv_lens: int32 [B], keys
-    n >= kv_lens[b] are ignored, whatever their slot entries hold (a row with kv_lens 0 gives 0).
-    With k_positions (int32 [B, Tk]) and rope_theta, gathered keys are rotated at those positions.
-    Returns [B, Tq, Hq, D] in q's dtype (fp32 accumulation); with return_lse also the log-sum-exp
-    of the scaled scores, fp32 [B, Tq, Hq] (MASK_VALUE where kv_lens is 0), to merge partial results.
+    q: [B, Tq, Hq, D] (rotated as the keys it reads were); k_pool, v_pool: [S, Hkv, D], Hq a
+    multiple of Hkv (query head h reads kv head h // (Hq // Hkv)); read_slot_map: int32 [B, Tk];
+    kv_lens: int32 [B], keys n >= kv_lens[b] are ignored, whatever their slot entries hold (a row
+    with kv_lens 0 gives 0). Returns [B, Tq, Hq, D] in q's dtype (fp32 accumulation); with
+    return_lse also the log-sum-exp of the scaled scores, fp32 [B, Tq, Hq] (MASK_VALUE where
+    kv_lens is 0), to merge partial results.
     interpret: run the Pallas kernel on CPU (default: whenever the default backend is not a GPU).
-    The block, split and rope_tables (cos/sin computed once outside the kernel instead of per tile)
-    arguments tune the Pallas kernel only; unset block_k / num_warps / num_stages take the fastest
-    H200 configuration of docs/BENCHMARKS.md for the case (rotating keys at read or not).
+    The block and split arguments tune the Pallas kernel only; unset block_q / block_k / num_warps /
+    num_stages take the fastest H200 configuration of docs/BENCHMARKS.md for the regime (decode or
+    recompute, by the query rows per kv head); unset splits divide the key range so that small
+    batches still fill the GPU.
     """
     b, tq, hq, d = q.shape
     s, hkv, dk = k_pool.shape
@@ -82,21 +82,17 @@ def gathered_attention(
         raise ValueError(f"q {q.shape} does not fit a pool of {hkv} kv heads of dim {dk}")
     if read_slot_map.ndim != 2 or read_slot_map.shape[0] != b or kv_lens.shape != (b,):
         raise ValueError(f"read_slot_map {read_slot_map.shape} / kv_lens {kv_lens.shape} do not match batch {b}")
-    if (k_positions is None) != (rope_theta is None):
-        raise ValueError("k_positions and rope_theta go together")
-    if k_positions is not None and k_positions.shape != read_slot_map.shape:
-        raise ValueError(f"k_positions {k_positions.shape} must match read_slot_map {read_slot_map.shape}")
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     read_slot_map, kv_lens = read_slot_map.astype(jnp.int32), kv_lens.astype(jnp.int32)
     if backend == "xla":
-        out, lse = _reference(q, k_pool, v_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale)
+        out, lse = _reference(q, k_pool, v_pool, read_slot_map, kv_lens, sm_scale)
     elif backend == "pallas":
         interpret = _interpret(interpret, d)
-        tuned = _TUNED[k_positions is not None]
-        block_k, num_warps, num_stages = (tuned[i] if x is None else x
-                                          for i, x in enumerate((block_k, num_warps, num_stages)))
-        out, lse = _pallas(q, k_pool, v_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale,
-                           interpret, block_q, block_k, num_warps, num_stages, splits, rope_tables)
+        regime = "decode" if tq * _pow2_at_least(hq // hkv, 1) <= _TUNED["decode"][0] else "recompute"
+        block_q, block_k, num_warps, num_stages = (_TUNED[regime][i] if x is None else x
+                                                   for i, x in enumerate((block_q, block_k, num_warps, num_stages)))
+        out, lse = _pallas(q, k_pool, v_pool, read_slot_map, kv_lens, sm_scale, interpret, block_q, block_k,
+                           num_warps, num_stages, splits)
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     return (out, lse) if return_lse else out
@@ -120,25 +116,23 @@ def merge_partials(outs: list[jax.Array], lses: list[jax.Array]) -> jax.Array:
     return jnp.where(norm > 0, total / jnp.where(norm > 0, norm, 1.0), 0.0).astype(outs[0].dtype)
 
 
-def _reference_scores(q, k_pool, slots, kv_lens, k_positions, rope_theta, sm_scale):
-    """Plain jnp: gather the keys, rotate them, score them. Returns (scores [B, Tq, Hkv, G, Tk] fp32
-    with -inf beyond kv_lens, in-range slots [B, Tk], the in-range mask [B, Tk])."""
+def _reference_scores(q, k_pool, slots, kv_lens, sm_scale):
+    """Plain jnp: gather the keys and score them. Returns (scores [B, Tq, Hkv, G, Tk] fp32 with
+    -inf beyond kv_lens, in-range slots [B, Tk], the in-range mask [B, Tk])."""
     b, tq, hq, d = q.shape
     hkv = k_pool.shape[1]
     valid = jnp.arange(slots.shape[1])[None] < kv_lens[:, None]
     slots = jnp.where(valid, slots, 0)
     k = k_pool[slots]  # [B, Tk, Hkv, D]
-    if k_positions is not None:
-        k = rope(k, k_positions, rope_theta)
     qg = q.reshape(b, tq, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bqhgk", qg, k, preferred_element_type=jnp.float32) * sm_scale
     return jnp.where(valid[:, None, None, None, :], scores, -jnp.inf), slots, valid
 
 
-def _reference(q, k_pool, v_pool, slots, kv_lens, k_positions, rope_theta, sm_scale):
-    """The oracle: gather, rotate, masked softmax, all in plain jnp."""
+def _reference(q, k_pool, v_pool, slots, kv_lens, sm_scale):
+    """The oracle: gather, masked softmax, all in plain jnp."""
     b, tq, hq, d = q.shape
-    scores, slots, _ = _reference_scores(q, k_pool, slots, kv_lens, k_positions, rope_theta, sm_scale)
+    scores, slots, _ = _reference_scores(q, k_pool, slots, kv_lens, sm_scale)
     v = v_pool[slots]
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -165,37 +159,13 @@ def supported_on_gpu(head_dim: int) -> bool:
     return head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
-def _load_queries(q_ref, rows, use_rope):
-    """A query block: (first half, second half) of the head dim when keys are rotated at read, else whole."""
-    if not use_rope:
-        return (q_ref[rows, :],)
-    half = q_ref.shape[-1] // 2
-    return q_ref[rows, pl.ds(0, half)], q_ref[rows, pl.ds(half, half)]
-
-
-def _load_keys(k_ref, slots, pos_ref, inv_freq_ref, start, block_k, use_rope, dtype):
-    """One gathered key tile: (first half, second half) of the head dim rotated at read, or whole."""
-    if not use_rope:
-        return (k_ref[slots],)
-    half = k_ref.shape[-1] // 2
-    if pos_ref.ndim == 2:  # cos/sin tables computed outside
-        cos, sin = pos_ref[pl.ds(start, block_k), :], inv_freq_ref[pl.ds(start, block_k), :]
-    else:
-        angles = pos_ref[pl.ds(start, block_k)].astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
-    k1 = k_ref[slots, pl.ds(0, half)].astype(jnp.float32)
-    k2 = k_ref[slots, pl.ds(half, half)].astype(jnp.float32)
-    return (k1 * cos - k2 * sin).astype(dtype), (k2 * cos + k1 * sin).astype(dtype)
-
-
-def _scores(qs, keys, inside, sm_scale):
+def _scores(q, k, inside, sm_scale):
     """Scaled scores [bm, block_k] fp32 of a query block against a key tile; MASK_VALUE outside."""
-    scores = sum(_dot(qp, kp.T) for qp, kp in zip(qs, keys))
-    return jnp.where(inside[None, :], scores * sm_scale, MASK_VALUE)
+    return jnp.where(inside[None, :], _dot(q, k.T) * sm_scale, MASK_VALUE)
 
 
-def _attention_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                      block_k: int, tiles_per_split: int, sm_scale: float, use_rope: bool):
+def _attention_kernel(lens_ref, slots_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                      block_k: int, tiles_per_split: int, sm_scale: float):
     """One (row, kv head, query block, key split): online softmax over its key tiles.
 
     The next tile's slots are loaded one iteration ahead, so gathering K/V never waits on the slot map.
@@ -203,7 +173,7 @@ def _attention_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, k_ref, 
     b, split = pl.program_id(0), pl.program_id(3)
     kv_len = lens_ref[b]
     bm, d = q_ref.shape
-    qs = _load_queries(q_ref, pl.ds(0, bm), use_rope)
+    q = q_ref[...]
     n_tiles = slots_ref.shape[0] // block_k
     first = split * tiles_per_split
     last = jnp.minimum(first + tiles_per_split, pl.cdiv(kv_len, block_k))
@@ -215,9 +185,8 @@ def _attention_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, k_ref, 
         start = tile * block_k
         inside = start + jnp.arange(block_k) < kv_len
         slots = jnp.where(inside, raw_slots, 0)
-        keys = _load_keys(k_ref, slots, pos_ref, inv_freq_ref, start, block_k, use_rope, qs[0].dtype)
-        v = v_ref[slots]
-        scores = _scores(qs, keys, inside, sm_scale)
+        k, v = k_ref[slots], v_ref[slots]
+        scores = _scores(q, k, inside, sm_scale)
         m_next = jnp.maximum(m_prev, scores.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(scores - m_next[:, None])
@@ -232,18 +201,18 @@ def _attention_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, k_ref, 
     l_ref[...] = l
 
 
-def _importance_kernel(lens_ref, slots_ref, pos_ref, inv_freq_ref, q_ref, lse_ref, w_ref, k_ref, out_ref, *,
-                       block_q: int, block_k: int, sm_scale: float, use_rope: bool):
+def _importance_kernel(lens_ref, slots_ref, q_ref, lse_ref, w_ref, k_ref, out_ref, *,
+                       block_q: int, block_k: int, sm_scale: float):
     """One (row, kv head, key tile): sum over weighted query rows of softmax probabilities."""
     b, tile = pl.program_id(0), pl.program_id(2)
     start = tile * block_k
     inside = start + jnp.arange(block_k) < lens_ref[b]
     slots = jnp.where(inside, slots_ref[pl.ds(start, block_k)], 0)
-    keys = _load_keys(k_ref, slots, pos_ref, inv_freq_ref, start, block_k, use_rope, q_ref.dtype)
+    k = k_ref[slots]
 
     def body(qb, acc):
         rows = pl.ds(qb * block_q, block_q)
-        scores = _scores(_load_queries(q_ref, rows, use_rope), keys, inside, sm_scale)
+        scores = _scores(q_ref[rows, :], k, inside, sm_scale)
         p = jnp.where(inside[None, :], jnp.exp(scores - lse_ref[rows][:, None]), 0.0) * w_ref[rows][:, None]
         return acc + p.sum(axis=0)
 
@@ -275,33 +244,17 @@ def _stack_heads(x, hkv, block_q, pad_value=0.0):
     return xs, bm, unstack
 
 
-def _key_tiles(slots, k_positions, rope_theta, head_dim, block_k, rope_tables):
-    """Slot map padded to whole key tiles, and the RoPE inputs: (positions [B, Tk_p], frequencies) for
-    angles computed in the kernel, or (cos, sin) tables [B, Tk_p, D/2] with rope_tables (zeros
-    without RoPE). Returns (slots, rope inputs, key tile, tile count)."""
+def _key_tiles(slots, block_k):
+    """Slot map padded to whole key tiles: (slots, key tile, tile count)."""
     b, tk = slots.shape
     bk = min(block_k, _pow2_at_least(tk))
     n_tiles = pl.cdiv(tk, bk)
-    pad = ((0, 0), (0, n_tiles * bk - tk))
-    if k_positions is None:
-        rope_in = (jnp.zeros((b, n_tiles * bk), jnp.int32), jnp.zeros((head_dim // 2,), jnp.float32))
-    elif rope_tables:
-        angles = jnp.pad(k_positions, pad).astype(jnp.float32)[..., None] * rope_inv_freq(head_dim, rope_theta)
-        rope_in = (jnp.cos(angles), jnp.sin(angles))
-    else:
-        rope_in = (jnp.pad(k_positions.astype(jnp.int32), pad), rope_inv_freq(head_dim, rope_theta))
-    return jnp.pad(slots, pad), rope_in, bk, n_tiles
+    return jnp.pad(slots, ((0, 0), (0, n_tiles * bk - tk))), bk, n_tiles
 
 
-def _common_specs(b, tk_p, head_dim, pool_rows, rope_in):
-    """BlockSpecs of (kv_lens, slots, *rope inputs) and of one kv head's pool; grid (b, h, ...)."""
-    row = lambda bi, h, *_: (bi, 0)
-    if rope_in[0].ndim == 3:
-        tables = pl.BlockSpec((None, tk_p, head_dim // 2), lambda bi, h, *_: (bi, 0, 0))
-        rope_specs = [tables, tables]
-    else:
-        rope_specs = [pl.BlockSpec((None, tk_p), row), pl.BlockSpec((head_dim // 2,), lambda *_: (0,))]
-    keys = [pl.BlockSpec((b,), lambda *_: (0,)), pl.BlockSpec((None, tk_p), row), *rope_specs]
+def _common_specs(b, tk_p, head_dim, pool_rows):
+    """BlockSpecs of (kv_lens, slots) and of one kv head's pool; grid (b, h, ...)."""
+    keys = [pl.BlockSpec((b,), lambda *_: (0,)), pl.BlockSpec((None, tk_p), lambda bi, h, *_: (bi, 0))]
     return keys, pl.BlockSpec((pool_rows, None, head_dim), lambda bi, h, *_: (0, h, 0))
 
 
@@ -311,24 +264,23 @@ def _compiler_params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _pallas(q, k_pool, v_pool, slots, kv_lens, k_positions, rope_theta, sm_scale, interpret,
-            block_q, block_k, num_warps, num_stages, splits, rope_tables):
+def _pallas(q, k_pool, v_pool, slots, kv_lens, sm_scale, interpret, block_q, block_k, num_warps, num_stages,
+            splits):
     b, tq, hq, d = q.shape
     s, hkv, _ = k_pool.shape
     qs, bm, unstack = _stack_heads(q, hkv, block_q)
     rows_p = qs.shape[2]
-    slots, rope_in, bk, n_tiles = _key_tiles(slots, k_positions, rope_theta, d, block_k, rope_tables)
+    slots, bk, n_tiles = _key_tiles(slots, block_k)
     n_q = rows_p // bm
     if splits is None:
         splits = max(1, min(n_tiles, math.ceil(_TARGET_PROGRAMS / (b * hkv * n_q))))
     tiles_per_split = pl.cdiv(n_tiles, splits)
     splits = pl.cdiv(n_tiles, tiles_per_split)
 
-    key_specs, pool_spec = _common_specs(b, slots.shape[1], d, s, rope_in)
+    key_specs, pool_spec = _common_specs(b, slots.shape[1], d, s)
     part = jax.ShapeDtypeStruct((splits, b, hkv, rows_p), jnp.float32)
     o, m, l = pl.pallas_call(
-        functools.partial(_attention_kernel, block_k=bk, tiles_per_split=tiles_per_split, sm_scale=sm_scale,
-                          use_rope=k_positions is not None),
+        functools.partial(_attention_kernel, block_k=bk, tiles_per_split=tiles_per_split, sm_scale=sm_scale),
         grid=(b, hkv, n_q, splits),
         in_specs=[*key_specs, pl.BlockSpec((None, None, bm, d), lambda bi, h, i, sp: (bi, h, i, 0)), pool_spec, pool_spec],
         out_specs=[
@@ -340,7 +292,7 @@ def _pallas(q, k_pool, v_pool, slots, kv_lens, k_positions, rope_theta, sm_scale
         interpret=interpret,
         compiler_params=_compiler_params(num_warps, num_stages),
         name="gathered_attention",
-    )(kv_lens, slots, *rope_in, qs, k_pool, v_pool)
+    )(kv_lens, slots, qs, k_pool, v_pool)
 
     if splits == 1:
         out, m, l = o[0], m[0], l[0]
@@ -361,8 +313,6 @@ def anchor_importance(
     kv_lens: jax.Array,
     query_weights: jax.Array,
     *,
-    k_positions: jax.Array | None = None,
-    rope_theta: float | None = None,
     sm_scale: float | None = None,
     backend: str = "pallas",
     interpret: bool | None = None,
@@ -370,41 +320,42 @@ def anchor_importance(
     block_k: int = 64,
     num_warps: int = 8,
     num_stages: int = 2,
-    rope_tables: bool = False,
+    lse: jax.Array | None = None,
 ) -> jax.Array:
     """ACache's anchor-probe importance (eq. 4-5) of each gathered key, for one layer.
 
     For key n of row b: sum over query tokens t, weighted by query_weights[b, t] (1 for the mask
     tokens that count), and over all query heads, of softmax over the row's keys (those below
     kv_lens). Arguments as in `gathered_attention`. Returns fp32 [B, Tk], 0 beyond kv_lens.
-    The Pallas path takes each query's log-sum-exp from the attention kernel, then sums the
-    probabilities per key tile without materialising the [heads, queries, keys] matrix.
+    The Pallas path takes each query's log-sum-exp from the attention kernel (or `lse`, fp32
+    [B, Tq, Hq], when the caller ran `gathered_attention(..., return_lse=True)` on the same keys),
+    then sums the probabilities per key tile without materialising the [heads, queries, keys] matrix.
     """
     b, tq, hq, d = q.shape
     sm_scale = d**-0.5 if sm_scale is None else sm_scale
     read_slot_map, kv_lens = read_slot_map.astype(jnp.int32), kv_lens.astype(jnp.int32)
     weights = query_weights.astype(jnp.float32)
     if backend == "xla":
-        scores, _, valid = _reference_scores(q, k_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale)
+        scores, _, valid = _reference_scores(q, k_pool, read_slot_map, kv_lens, sm_scale)
         probs = jnp.where(valid[:, None, None, None, :], jax.nn.softmax(scores, axis=-1), 0.0)
         return jnp.einsum("bqhgk,bq->bk", probs, weights)
     if backend != "pallas":
         raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
     interpret = _interpret(interpret, d)
-    _, lse = _pallas(q, k_pool, k_pool, read_slot_map, kv_lens, k_positions, rope_theta, sm_scale, interpret,
-                     block_q, block_k, num_warps, num_stages, None, rope_tables)
+    if lse is None:
+        _, lse = _pallas(q, k_pool, k_pool, read_slot_map, kv_lens, sm_scale, interpret, block_q, block_k,
+                         num_warps, num_stages, None)
     s, hkv, _ = k_pool.shape
     qs, bm, _ = _stack_heads(q, hkv, block_q)
     lse_s, _, _ = _stack_heads(lse, hkv, block_q, pad_value=jnp.finfo(jnp.float32).max)
     w_s, _, _ = _stack_heads(jnp.broadcast_to(weights[:, :, None], (b, tq, hq)), hkv, block_q)
     tk = read_slot_map.shape[1]
-    slots, rope_in, bk, n_tiles = _key_tiles(read_slot_map, k_positions, rope_theta, d, block_k, rope_tables)
+    slots, bk, n_tiles = _key_tiles(read_slot_map, block_k)
     rows_p = qs.shape[2]
-    key_specs, pool_spec = _common_specs(b, slots.shape[1], d, s, rope_in)
+    key_specs, pool_spec = _common_specs(b, slots.shape[1], d, s)
     per_row = lambda bi, h, t: (bi, h, 0)
     out = pl.pallas_call(
-        functools.partial(_importance_kernel, block_q=bm, block_k=bk, sm_scale=sm_scale,
-                          use_rope=k_positions is not None),
+        functools.partial(_importance_kernel, block_q=bm, block_k=bk, sm_scale=sm_scale),
         grid=(b, hkv, n_tiles),
         in_specs=[*key_specs, pl.BlockSpec((None, None, rows_p, d), lambda bi, h, t: (bi, h, 0, 0)),
                   pl.BlockSpec((None, None, rows_p), per_row), pl.BlockSpec((None, None, rows_p), per_row), pool_spec],
@@ -413,5 +364,5 @@ def anchor_importance(
         interpret=interpret,
         compiler_params=_compiler_params(num_warps, num_stages),
         name="anchor_importance",
-    )(kv_lens, slots, *rope_in, qs, lse_s, w_s, k_pool)
+    )(kv_lens, slots, qs, lse_s, w_s, k_pool)
     return out.sum(axis=1)[:, :tk]

@@ -14,6 +14,7 @@ from acache_jax.acache import build_affix_cache, probe_importance
 from acache_jax.config import DecodeConfig, InputError
 from acache_jax.decode import generate
 from acache_jax.layout import Request, make_batch
+from acache_jax.model import ForwardInputs
 
 AFFIX = list(range(30, 54))  # 24 tokens
 REQUESTS = [
@@ -69,7 +70,7 @@ def test_each_row_equals_the_request_alone(model, cache, selector):
 def test_one_affix_cache_serves_every_offset(model, cache):
     """K before RoPE is independent of where the span sits and attention depends on relative
     positions only: the cache built at positions 0.. equals one built at the request's own offset."""
-    at_offset = model.forward(jnp.asarray([AFFIX]), 37 + jnp.arange(len(AFFIX))[None], with_logits=False)
+    at_offset = model.forward(jnp.asarray([AFFIX]), ForwardInputs(37 + jnp.arange(len(AFFIX))[None]), with_logits=False)
     chex.assert_trees_all_close((cache.k, cache.v), jax.tree.map(lambda a: a[0], (at_offset.k, at_offset.v)),
                                 atol=1e-5)
     # Infix requests with the affix at offsets 4 and 11 in one batch, both from the one cache.
@@ -85,9 +86,8 @@ def _oracle_importance(model, request):
     softmax over affix keys only is summed over queries and heads."""
     cfg = model.config
     p = nnx.to_pure_dict(model.params)
-    left, right, offset = request.parts(AFFIX)
-    seq = left + [cfg.mask_token_id] * BASE["gen_length"] + right
-    start = offset if offset >= 0 else len(left) + BASE["gen_length"]
+    row = request.row(AFFIX, BASE["gen_length"], cfg.mask_token_id)
+    seq, start = row.tokens.tolist(), row.affix_start
     affix_pos = np.arange(start, start + len(AFFIX))
     own_pos = np.array([i for i in range(len(seq)) if not start <= i < start + len(AFFIX)])
     own = jnp.asarray([seq[i] for i in own_pos])
@@ -134,7 +134,7 @@ def _oracle_importance(model, request):
 
 def test_attention_selector_matches_a_plain_oracle(model, cache):
     batch = make_batch(REQUESTS, BASE["gen_length"], model.config, AFFIX)
-    ours = np.asarray(probe_importance(model.graphdef, model.params, batch, cache, model.config.mask_token_id))
+    ours = np.asarray(probe_importance(model.graphdef, model.config, model.params, batch, cache))
     k = math.ceil(0.2 * len(AFFIX))
     result = generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=0.2, **BASE), affix=cache)
     for i, r in enumerate(REQUESTS):

@@ -46,12 +46,12 @@ def test_each_row_equals_the_request_alone(request, family, config):
 def test_no_recompilation_within_a_bucket(llada):
     config = DecodeConfig(gen_length=16, block_length=8, threshold=0.7)
     generate(llada, [PROMPTS[0], PROMPTS[1]], config)
-    traced = decode.TRACE_COUNT["decode"]
+    compiled = decode.decode_batch._cache_size()
     generate(llada, [PROMPTS[2], PROMPTS[3]], config)  # other lengths, same (batch 2, length 16) bucket
     generate(llada, [[9] * 16, [4] * 3], config)
-    assert decode.TRACE_COUNT["decode"] == traced
+    assert decode.decode_batch._cache_size() == compiled
     generate(llada, [[9] * 17], config)  # a longer bucket compiles once
-    assert decode.TRACE_COUNT["decode"] == traced + 1
+    assert decode.decode_batch._cache_size() == compiled + 1
 
 
 def test_nfe_and_forward_tokens(llada):

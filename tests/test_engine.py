@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import acache_jax
 from acache_jax.config import DecodeConfig, DecodeError
@@ -49,7 +51,7 @@ def test_no_recompilation_in_steady_state(fixtures_dir):
     model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.2)
     engine = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=4)
-    steps = (runner.recompute_step, runner.decode_step, runner.probe_step)
+    steps = (runner.packed_step, runner.block_loop)
     engine.generate(REQUESTS[:4], AFFIX)
     compiled = [f._cache_size() for f in steps]
     # Different prompts of similar lengths and another arrival order: every shape was seen before.
@@ -111,3 +113,54 @@ def test_results_are_handed_out_once(fixtures_dir):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     alone = generate(model, [Request([1, 2, 3], seed=1), Request([4, 5], seed=2)], cfg)
     assert [r.tokens.tolist() for r in later] == [t.tolist() for t in alone.tokens]
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(1, 9), st.sampled_from(["prefix", "infix", "suffix"]), st.integers(0, 3),
+                          st.sampled_from([8, 16])), min_size=2, max_size=5))
+def test_packed_steps_mix_probes_recomputes_and_decodes(fixtures_dir, arrivals):
+    """Requests arriving at different iterations put probe, recompute and in-block tokens of several
+    requests into one packed forward; each request decodes exactly as it does alone."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, threshold=0.5)
+    engine = Engine(model, cfg, pool_tokens=600, block_size=8, max_batch=4)
+    requests = [Request(list(range(3, 3 + n)), tail=[7, 9] if placement == "infix" else (), affix_position=placement,
+                        seed=i) for i, (n, placement, _, _) in enumerate(arrivals)]
+    ids, results, kinds = {}, {}, set()
+    for i in range(max(a for _, _, a, _ in arrivals) + 1):
+        for r, (_, _, at, gen) in zip(requests, arrivals):
+            if at == i:
+                ids[engine.add(r, AFFIX, gen_length=gen)] = (r, gen)
+        kinds |= {k for k, v in zip(("probe", "recompute", "decode"), _plan_kinds(engine)) if v}
+        results |= {res.request_id: res for res in engine.step()}
+    results |= {res.request_id: res for res in engine.run()}
+    for rid, (r, gen) in ids.items():
+        alone = generate(model, [r], engine.request_config(gen), affix=AFFIX)
+        assert results[rid].tokens.tolist() == alone.tokens[0].tolist()
+        assert results[rid].anchors.tolist() == alone.anchors[0].tolist() and results[rid].nfe == alone.nfe[0]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def _plan_kinds(engine):
+    """Which kinds of segment the next step's packed forward would hold (without changing state)."""
+    running = engine.scheduler.running
+    return (any(s.needs_probe for s in running) or bool(engine.scheduler.waiting),
+            any(s.needs_recompute and not s.needs_probe for s in running),
+            any(not s.needs_recompute for s in running))
+
+
+def test_padding_stays_small_on_a_mixed_workload(fixtures_dir):
+    """forward_tokens counts what the forwards computed for requests, padded_tokens the padded
+    token axis: the packed steps waste little."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.2, threshold=0.6)
+    engine = Engine(model, cfg, pool_tokens=2000, block_size=8, max_batch=8)
+    rng = np.random.default_rng(0)
+    for i in range(24):
+        placement = ("prefix", "infix", "suffix")[i % 3]
+        engine.add(Request(rng.integers(3, 100, size=int(rng.integers(2, 30))).tolist(),
+                           tail=[5, 6] if placement == "infix" else (), affix_position=placement, seed=i), AFFIX)
+    results = engine.run()
+    stats = engine.stats.summary()
+    assert len(results) == 24 and stats["forward_tokens"] == sum(r.forward_tokens for r in results)
+    assert stats["padded_tokens"] / stats["forward_tokens"] <= 1.3, stats

@@ -11,8 +11,8 @@ from acache_jax.config import anchor_count
 from acache_jax.config import ModelConfig
 from acache_jax.engine.block_manager import BlockManager, PoolFullError
 from acache_jax.engine.scheduler import RequestTooLargeError, Scheduler
-from acache_jax.engine.sequence import Sequence, SequenceStatus
-from acache_jax.layout import Request, RequestError, make_batch
+from acache_jax.engine.sequence import SequenceState, SequenceStatus
+from acache_jax.layout import Request, RequestError, Row, make_batch
 
 MASK = 999
 AFFIX_LENS = {"a": 5, "b": 12, "c": 30}  # affix key -> affix length
@@ -28,14 +28,14 @@ def _seq(rid, left=3, gen=8, right=0, affix=None, position="prefix", policy="aca
         lt, rt, start = left + n + tail, right, left
     else:  # suffix: the affix is the right part
         lt, rt, start = left, n, left + gen
-    tokens = np.arange(lt + gen + rt) % 50
+    tokens = (np.arange(lt + gen + rt) % 50).astype(np.int32)
     tokens[lt:lt + gen] = MASK
-    return Sequence(rid, tokens, lt, gen, BL, affix_start=start, affix_len=n, affix_key=affix, policy=policy)
+    return SequenceState(rid, Row(tokens, lt, gen, start if n else 0, n), BL, affix_key=affix, policy=policy)
 
 
-def _decode_private(seq: Sequence, anchors: np.ndarray) -> np.ndarray:
+def _decode_private(seq: SequenceState, anchors: np.ndarray) -> np.ndarray:
     """decode.py's private columns for one unpadded row: argsort(shared, stable)[: T - L + K]."""
-    t, a0, n = seq.num_columns, seq.affix_start, seq.affix_len
+    t, a0, n = seq.num_columns, seq.row.affix_start, seq.affix_len
     shared = np.zeros(t, bool)
     shared[a0:a0 + n] = True
     shared[a0 + anchors] = False
@@ -88,13 +88,15 @@ def test_shared_blocks_are_refcounted():
 # ---- sequence ----
 
 def test_slot_maps_of_a_prefix_request():
+    """Own (non-affix) columns take the first private slots, before the probe; the anchors the rest."""
     seq = _seq(0, left=2, gen=4, affix="a")  # columns: affix 0-4, prompt 5-6, generation 7-10
     seq.num_anchors = 2
     seq.set_slots(np.arange(100, 108), np.arange(10, 15))
+    np.testing.assert_array_equal(seq.read_slot_map, [10, 11, 12, 13, 14, 100, 101, 102, 103, 104, 105])
     seq.set_anchors(np.array([3, 1]))
     np.testing.assert_array_equal(seq.private_columns, [1, 3, 5, 6, 7, 8, 9, 10])
-    np.testing.assert_array_equal(seq.write_slot_map, np.arange(100, 108))
-    np.testing.assert_array_equal(seq.read_slot_map, [10, 100, 12, 101, 14, 102, 103, 104, 105, 106, 107])
+    np.testing.assert_array_equal(seq.shared_columns, [0, 2, 4])
+    np.testing.assert_array_equal(seq.read_slot_map, [10, 106, 12, 107, 14, 100, 101, 102, 103, 104, 105])
 
 
 @settings(max_examples=200, deadline=None)
@@ -109,8 +111,8 @@ def test_private_columns_match_the_static_path(data, position, affix, left, bloc
     assert seq.num_private(len(anchors)) == seq.num_columns - n + len(anchors)
     seq.set_anchors(anchors)
     np.testing.assert_array_equal(seq.private_columns, _decode_private(seq, anchors))
-    expected = np.sort(np.concatenate([np.setdiff1d(np.arange(seq.num_columns), np.arange(n) + seq.affix_start),
-                                       seq.affix_start + anchors]))
+    expected = np.sort(np.concatenate([np.setdiff1d(np.arange(seq.num_columns), np.arange(n) + seq.row.affix_start),
+                                       seq.row.affix_start + anchors]))
     np.testing.assert_array_equal(seq.private_columns, expected)
     base = _seq(1, left=left, gen=blocks * BL, affix=affix, position=position, policy="baseline")
     assert base.num_private(len(anchors)) == base.num_columns
@@ -131,25 +133,24 @@ def test_from_request_is_an_unpadded_make_batch_row(request_):
     batch = make_batch([request_], 8, mcfg, affix)
     valid = np.asarray(batch.valid[0])
     first = int(np.argmax(valid))
-    seq = Sequence.from_request("r", request_, affix, 8, 4, MASK)
-    np.testing.assert_array_equal(seq.token_ids, np.asarray(batch.tokens[0])[valid])
-    assert seq.gen_start == batch.gen_start - first
+    seq = SequenceState.from_request("r", request_, affix, 8, 4, MASK)
+    np.testing.assert_array_equal(seq.tokens, np.asarray(batch.tokens[0])[valid])
+    assert seq.row.gen_start == batch.gen_start - first
     if request_.affix_position is None:
         assert seq.affix_key is None and seq.affix_len == 0
     else:
         assert seq.affix_key == tuple(affix) and seq.affix_len == batch.affix_len
-        assert seq.affix_start == int(batch.affix_start[0]) - first
+        assert seq.row.affix_start == int(batch.affix_start[0]) - first
 
 
 def test_bad_sequences_are_rejected_by_name():
+    row = lambda n, gen, **kw: Row(np.asarray([1, 2] + [MASK] * gen, np.int32), 2, gen, **kw)
     with pytest.raises(RequestError, match="multiple of block_length"):
-        Sequence(0, [MASK] * 6, 0, 6, 4)
+        SequenceState(0, row(2, 6), 4)
     with pytest.raises(RequestError, match="given together"):
-        Sequence(0, [1, 2, MASK, MASK, MASK, MASK], 2, 4, 4, affix_key="a")
-    with pytest.raises(RequestError, match="outside the generation region"):
-        Sequence(0, [1, 2, MASK, MASK, MASK, MASK], 2, 4, 4, affix_start=1, affix_len=2, affix_key="a")
+        SequenceState(0, row(2, 4), 4, affix_key="a")
     with pytest.raises(RequestError, match="unknown policy"):
-        Sequence(0, [MASK] * 4, 0, 4, 4, policy="dual")
+        SequenceState(0, row(2, 4), 4, policy="dual")
     with pytest.raises(RequestError, match="6 anchors for an affix of 5"):
         _seq(0, affix="a").num_private(6)
 
@@ -178,20 +179,31 @@ def test_queue_when_full_and_admit_when_freed():
     assert seqs[0].status is SequenceStatus.FINISHED and sched.admit() == [seqs[2]]
     for s in (seqs[1], seqs[2]):
         sched.finish(s)
+    assert bm.refcount("b") == 3  # finished requests keep the affix until the next admission has looked
+    sched.drain()
     assert bm.shared_blocks("b") is None  # the last user left; the next admission refills the affix
     assert sched.admit() == [seqs[3]] and seqs[3].affix_is_new
     sched.finish(seqs[3])
+    sched.drain()
     assert sched.idle and bm.num_free_blocks == 10
 
 
-def test_max_batch_bounds_the_running_set_and_split_orders_recompute_first():
-    sched = Scheduler(BlockManager(100, 4), max_batch=2)
-    seqs = [_seq(i, policy="baseline", affix="a") for i in range(3)]
-    for s in seqs:
+def test_max_batch_bounds_the_running_set_and_the_plan_sorts_the_work():
+    sched = Scheduler(BlockManager(100, 4), max_batch=3)
+    base = [_seq(i, policy="baseline", affix="a") for i in range(2)]
+    probed = _seq(2, affix="b")
+    for s in base:
         sched.add(s, 5)
-    assert sched.admit() == seqs[:2] and not seqs[0].needs_probe and seqs[0].shares_affix is False
-    seqs[0].needs_recompute = False
-    assert sched.split() == ([seqs[1]], [seqs[0]])
+    sched.add(probed, 3)
+    sched.add(_seq(3, affix="b"), 3)
+    plan = sched.schedule(MASK)
+    assert sched.running == (*base, probed) and not base[0].needs_probe and base[0].shares_affix is False
+    assert plan.probe == [probed] and plan.recompute == base and plan.decode == [] and plan.fills == [probed]
+    assert plan.loop == base and plan.segments == [probed, *base]
+    base[0].needs_recompute = False
+    probed.set_anchors(np.array([0, 5, 7]))
+    plan = sched.schedule(MASK)
+    assert plan.recompute == [base[1], probed] and plan.decode == [base[0]] and plan.fills == []
 
 
 def test_a_request_that_can_never_fit_is_rejected_clearly():
@@ -234,14 +246,13 @@ def _check_invariants(bm: BlockManager, sched: Scheduler) -> None:
     owner: dict[int, object] = {}
     for s in running:
         assert s.status is SequenceStatus.RUNNING
-        own = s.write_slot_map.tolist()
+        own = s.read_slot_map[s.private_columns].tolist()
         assert len(own) == len(set(own)) and set(own) <= _slot_set(s.private_blocks, bs)
         for slot in own:
             assert owner.setdefault(slot, s.request_id) == s.request_id, "a slot is owned by two live sequences"
             assert slot not in all_shared, "a private slot lies in a live shared block"
         reach = set(own) | (shared_slots[s.affix_key] if s.shares_affix else set())
         assert set(s.read_slot_map.tolist()) <= reach, "a sequence reads slots it does not own or share"
-        np.testing.assert_array_equal(s.read_slot_map[s.private_columns], s.write_slot_map)
     for s in sched.waiting:
         assert s.status is SequenceStatus.WAITING and not s.private_blocks
 
@@ -290,6 +301,7 @@ def test_random_arrivals_and_finishes_keep_the_pool_safe(data, num_blocks, block
                 assert not bm.can_allocate(bm.blocks_for(head.num_private(head.num_anchors)) + affix)
         elif sched.running:
             sched.finish(sched.running[arg % len(sched.running)])
+            sched.drain()  # as the next iteration's schedule() does after admitting
         _check_invariants(bm, sched)
 
     # Drain: every accepted request fits an empty pool, so the queue always empties.
@@ -298,6 +310,7 @@ def test_random_arrivals_and_finishes_keep_the_pool_safe(data, num_blocks, block
         _check_invariants(bm, sched)
         for s in sched.running:
             sched.finish(s)
+        sched.drain()
         if sched.idle:
             break
     assert sched.idle and bm.num_free_blocks == num_blocks

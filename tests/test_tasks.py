@@ -124,12 +124,14 @@ def test_layouts_place_the_affix_as_in_the_paper(tokenizer):
     header = encode("Example(s):")
     assert list(reqs["infix"].prompt[-len(header):]) == header
     # As acache_jax.layout lays them out: prefix [Ex][Qry], infix [Qry_head][Ex][Ans], suffix [Qry] ... [Ex].
-    left, right, at = reqs["prefix"].parts(ids["prefix"])
-    assert left[:len(ids["prefix"])] == ids["prefix"] and at == 0 and right == []
-    left, right, at = reqs["infix"].parts(ids["infix"])
-    assert left[at:at + len(ids["infix"])] == ids["infix"] and at == len(reqs["infix"].prompt)
-    left, right, _ = reqs["suffix"].parts(ids["suffix"])
-    assert right == ids["suffix"] and left == list(reqs["suffix"].prompt)
+    row = reqs["prefix"].row(ids["prefix"], 4, 0)
+    assert row.tokens[:len(ids["prefix"])].tolist() == ids["prefix"] and row.affix_start == 0 and row.right == 0
+    row = reqs["infix"].row(ids["infix"], 4, 0)
+    at = row.affix_start
+    assert row.tokens[at:at + len(ids["infix"])].tolist() == ids["infix"] and at == len(reqs["infix"].prompt)
+    row = reqs["suffix"].row(ids["suffix"], 4, 0)
+    assert row.tokens[row.gen_start + 4:].tolist() == ids["suffix"]
+    assert row.tokens[:row.gen_start].tolist() == list(reqs["suffix"].prompt)
     assert isinstance(reqs["suffix"], Request) and reqs["suffix"].affix_position == "suffix"
     with pytest.raises(ValueError, match="at least one"):
         affix_ids(encode, [], "prefix")

@@ -1,95 +1,39 @@
-"""Device side of the engine: the paged KV pool and the jitted steps over it.
+"""Device side of the engine: the KV pool, and a plan turned into device inputs and run.
 
-Every step takes per-row inputs padded to bucketed shapes, so a bounded set of programs compiles.
-Rows read keys only through slot maps; padding entries are invalid keys, and writes aimed at slot
-`num_slots` (one past the end) are dropped, so padding never touches the pool.
+An iteration is two jitted calls dispatched back to back, with one wait for both results:
+- the packed forward: every planned segment's tokens side by side on one token axis (probes of new
+  requests, recomputes of requests at a block start, one in-block step of the others), padded to
+  `layout.token_bucket` tokens (at most about 1/8 more), with the block commits and the probes'
+  rankings;
+- the block loop: in-block steps of the recomputed and decoding requests, on the device, until
+  one of them has finished its block.
+Tokens write their K/V into the pool and read their request's slots (acache_jax/kv.py); padding
+tokens write nowhere and sit in no query tile.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
+import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from acache_jax import sampling
-from acache_jax.acache import AffixCache
-from acache_jax.attention import KVView
+from acache_jax.acache import anchor_ranking
 from acache_jax.config import DecodeConfig, ModelConfig
-from pallas_kernels import rope
+from acache_jax.engine.scheduler import Plan, StepOutput
+from acache_jax.engine.sequence import SequenceState
+from acache_jax.kv import AffixCache, KVPool, PoolAccess, ReadSet, flat_index, rows_access
+from acache_jax.layout import bucket, row_bucket, token_bucket
+from acache_jax.model import ForwardInputs
+from acache_jax.model import forward as model_forward
 
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVPool:
-    """Per layer, K and V of every slot: layers x [num_slots, kv_heads, head_dim]. K is stored rotated
-    at the position it was computed at (an affix: 0..L-1 of the affix alone; a request's own
-    columns: their positions), so reads rotate the query by their offset instead of every key."""
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-
-    @property
-    def num_slots(self) -> int:
-        return self.k[0].shape[0]
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return 2 * sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in self.k)
-
-
-def new_pool(cfg: ModelConfig, num_slots: int, dtype: Any) -> KVPool:
-    shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-    return KVPool(zeros(), zeros())
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Rows:
-    """The tokens a forward computes, per row [R, N] (padding: valid False)."""
-
-    tokens: jax.Array
-    positions: jax.Array
-    valid: jax.Array
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Reads:
-    """Keys a forward reads from the pool, per row [R, N]: slot, position, valid; and per row [R]
-    the offset they are read at (the affix's start for shared affix slots, 0 for private slots)."""
-
-    slots: jax.Array
-    positions: jax.Array
-    valid: jax.Array
-    offset: jax.Array
-
-    def view(self, pool: KVPool) -> KVView:
-        return KVView(pool.k, pool.v, self.positions, self.valid, self.slots, self.offset)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class CommitInputs:
-    """Per row [R]: the block's tokens [R, bl] and what its sampling state is."""
-
-    block: jax.Array
-    seeds: jax.Array  # the request's seed: keys are fold_in(key(seed), nfe), as in the static path
-    nfe: jax.Array  # forward calls the request has had so far
-    step: jax.Array  # in-block step (0 at the block start)
-    masked_at_start: jax.Array  # masks in the block at its start (LLaDA's fixed schedule)
-
-    def commit(self, logits: jax.Array, cfg: DecodeConfig, mcfg: ModelConfig, block_start: bool) -> jax.Array:
-        keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(self.seeds, self.nfe)
-        masked0 = jnp.arange(self.block.shape[1])[None] < self.masked_at_start[:, None]
-        sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
-        return sampling.commit_block(self.block, logits, self.step, keys, sched, cfg.sampler(mcfg),
-                                     cfg.steps_per_block, block_start)
+TILE_ROWS = 128  # query rows per attention tile (tokens x the query heads of one kv head)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -99,71 +43,295 @@ class Structure:
     nnx.State runs Python per variable): together milliseconds per call for a 32-layer model."""
 
     graphdef: nnx.GraphDef
-    params: Any  # the parameters' treedef
+    treedef: Any  # the parameters' treedef
+    config: ModelConfig
 
-    def model(self, leaves: list[jax.Array]) -> Any:
-        return nnx.merge(self.graphdef, jax.tree.unflatten(self.params, leaves))
+    def forward(self, leaves: list[jax.Array], tokens: jax.Array, inputs: ForwardInputs, **kwargs: Any):
+        return model_forward(self.graphdef, jax.tree.unflatten(self.treedef, leaves), tokens, inputs, **kwargs)
 
 
 @functools.cache
-def structure(graphdef: nnx.GraphDef, params_treedef: Any) -> Structure:
+def structure(graphdef: nnx.GraphDef, treedef: Any, config: ModelConfig) -> Structure:
     """One Structure per distinct model structure, so every engine over a model reuses the compiled steps."""
-    return Structure(graphdef, params_treedef)
+    return Structure(graphdef, treedef, config)
 
 
-def _scatter(pool: tuple[jax.Array, ...], new: tuple[jax.Array, ...], slots: jax.Array) -> tuple[jax.Array, ...]:
-    """Write rows [R, N, H, D] to pool slots [R, N]; slots past the end are dropped."""
-    flat = slots.reshape(-1)
-    return tuple(p.at[flat].set(n.reshape(-1, *n.shape[2:]).astype(p.dtype), mode="drop") for p, n in zip(pool, new))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Commits:
+    """Per row [R]: its block [R, bl] and sampling state; rows that are not `active` keep their block."""
+
+    block: jax.Array
+    seeds: jax.Array  # the request's seed: keys are fold_in(key(seed), nfe), as in the static path
+    nfe: jax.Array  # forward calls the request has had so far
+    step: jax.Array  # in-block step (0 at the block start)
+    masked_at_start: jax.Array  # masks in the block at its start (LLaDA's fixed schedule)
+    block_start: jax.Array  # [R] bool: commits from its block-start forward
+    active: jax.Array  # [R] bool
+
+    def commit(self, logits: jax.Array, cfg: DecodeConfig, mcfg: ModelConfig) -> Commits:
+        """The rows after one commit from their block logits [R, bl, V] (counters advanced where a
+        mask was left)."""
+        keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(self.seeds, self.nfe)
+        masked0 = jnp.arange(self.block.shape[1])[None] < self.masked_at_start[:, None]
+        sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
+        block = sampling.commit_block(self.block, logits, self.step, keys, sched, cfg.sampler(mcfg),
+                                      cfg.steps_per_block, self.block_start)
+        moved = self.active & (self.block == mcfg.mask_token_id).any(-1)
+        return dataclasses.replace(self, block=jnp.where(moved[:, None], block, self.block),
+                                   nfe=self.nfe + moved, step=self.step + moved,
+                                   block_start=jnp.zeros_like(self.block_start))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PackedStep:
+    """The packed forward's inputs: M tokens of S segments (row S-1 of the read sets is empty:
+    padding tiles read it) and the commits of the segments with logits."""
+
+    tokens: jax.Array  # [M]
+    positions: jax.Array  # [M]
+    write_slots: jax.Array  # [M] (num_slots: padding)
+    segment: jax.Array  # [M] (padding: -1)
+    tiles: jax.Array  # [n_tiles, bq] token indices (M: empty)
+    tile_segment: jax.Array  # [n_tiles]
+    reads: tuple[ReadSet, ...]  # [S, N] each: the private rows, then (acache) the shared affix
+    logit_index: jax.Array  # [S, bl] token indices of each segment's block (0 where it commits nothing)
+    commits: Commits  # [S]
+    probe_weight: jax.Array | None  # [M] mask tokens of probed segments (None: no probe this step)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class BlockLoop:
+    """The block loop's rows: which segments (S-1: padding), their block's write slots and positions."""
+
+    rows: jax.Array  # [R]
+    write_slots: jax.Array  # [R, bl]
+    positions: jax.Array  # [R, bl]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def packed_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, step: PackedStep
+                ) -> tuple[KVPool, Commits, jax.Array | None]:
+    """(pool after the writes, the segments after their commit, the probed segments' rankings)."""
+    probing = step.probe_weight is not None
+    access = PoolAccess(pool, step.write_slots, step.segment, step.reads, step.tiles, step.tile_segment,
+                        step.probe_weight, probe_read=len(step.reads) - 1)
+    out = structure.forward(params, step.tokens, ForwardInputs(step.positions, access=access,
+                                                               logit_index=step.logit_index),
+                            attn_backend=cfg.attn_backend)
+    ranking = None
+    if probing:
+        score = out.probe if cfg.selector == "attention" else -out.probe  # "bottom": the least important
+        ranking = anchor_ranking(score, jnp.arange(score.shape[1])[None] < step.reads[-1].lens[:, None])
+    return out.pool, step.commits.commit(out.logits, cfg, structure.config), ranking
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
+def block_loop(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool,
+               reads: tuple[ReadSet, ...], after: Commits, loop: BlockLoop) -> tuple[KVPool, Commits, jax.Array]:
+    """In-block steps of the loop rows until one of them has no mask left in its block.
+
+    Returns the pool, the rows' state and the number of steps run."""
+    mask_id = structure.config.mask_token_id
+    rows = jax.tree.map(lambda a: a[loop.rows], after)
+    rows = dataclasses.replace(rows, active=rows.active & (loop.rows < reads[0].slots.shape[0] - 1))
+    reads = tuple(ReadSet(r.slots[loop.rows], r.lens[loop.rows], r.offset[loop.rows]) for r in reads)
+    n, bl = loop.write_slots.shape
+    logit_index = flat_index(jnp.broadcast_to(jnp.arange(bl, dtype=jnp.int32), (n, bl)), bl)
+
+    def unfinished(carry):
+        state = carry[1]
+        masked = (state.block == mask_id).any(-1)
+        return (masked | ~state.active).all() & (masked & state.active).any()
+
+    def body(carry):
+        pool, state, count = carry
+        access = rows_access(pool, loop.write_slots, reads)
+        out = structure.forward(params, state.block.reshape(-1), ForwardInputs(loop.positions.reshape(-1),
+                                                                                access=access,
+                                                                                logit_index=logit_index),
+                                attn_backend=cfg.attn_backend)
+        return out.pool, state.commit(out.logits, cfg, structure.config), count + 1
+
+    pool, rows, count = jax.lax.while_loop(unfinished, body, (pool, rows, jnp.int32(0)))
+    return pool, rows, count
 
 
 @functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
 def fill_affix(pool: KVPool, affix: AffixCache, slots: jax.Array, rope_theta: float) -> KVPool:
     """Store an affix cache (computed alone, as the static path does) in its shared slots [L], K
     rotated at the affix's own positions 0..L-1."""
-    positions = jnp.arange(affix.length)[None]
-    k = tuple(rope(a[None], positions, rope_theta) for a in affix.k)
-    return KVPool(_scatter(pool.k, k, slots[None]), _scatter(pool.v, tuple(a[None] for a in affix.v), slots[None]))
+    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype)) for p, n in zip(rows, new))
+    return KVPool(put(pool.k, affix.rotated_k(rope_theta)), put(pool.v, affix.v))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def recompute_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, rows: Rows,
-                   reads: Reads | None, write_slots: jax.Array, logit_index: jax.Array,
-                   commit: CommitInputs) -> tuple[KVPool, jax.Array]:
-    """Block start: forward over each row's private columns (reading its other affix K/V from the
-    shared slots), K (rotated at its positions) and V written to the row's private slots, then the
-    block-start commit."""
-    model = structure.model(params)
-    out = model(rows.tokens, rows.positions, valid=rows.valid, kv=None if reads is None else reads.view(pool),
-                logit_index=logit_index, attn_backend=cfg.attn_backend)
-    k = tuple(rope(a, rows.positions, model.cfg.rope_theta) for a in out.k)
-    pool = KVPool(_scatter(pool.k, k, write_slots), _scatter(pool.v, out.v, write_slots))
-    return pool, commit.commit(out.logits, cfg, model.cfg, block_start=True)
+def _rows(values: list[np.ndarray], width: int, count: int, fill: int) -> np.ndarray:
+    """Stack 1-D int rows into [count, width] padded with `fill`."""
+    out = np.full((count, width), fill, np.int32)
+    for i, v in enumerate(values):
+        out[i, :len(v)] = v
+    return out
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def decode_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, rows: Rows,
-                reads: tuple[Reads, ...], commit: CommitInputs) -> jax.Array:
-    """In-block step: forward over each row's block alone, every other column read from the pool
-    (one read set per offset: the shared affix, the row's private slots)."""
-    model = structure.model(params)
-    out = model(rows.tokens, rows.positions, valid=rows.valid, kv=tuple(r.view(pool) for r in reads),
-                attn_backend=cfg.attn_backend)
-    return commit.commit(out.logits, cfg, model.cfg, block_start=False)
+@dataclasses.dataclass
+class Timings:
+    """Device time per kind of call (recorded only when the runner synchronises each call)."""
+
+    packed: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (what it held, seconds)
+    loop: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (steps, seconds)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def probe_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, rows: Rows,
-               reads: Reads) -> jax.Array:
-    """Anchor probe: each row's non-affix columns against its affix read from the shared slots.
+class Runner:
+    """Owns the pool; turns plans into device inputs and runs them (see the module docstring)."""
 
-    Returns the affix indices [R, L] ranked for selection (best first; padding last); the first K
-    of a row are its anchors.
-    """
-    model = structure.model(params)
-    mask_id = model.cfg.mask_token_id
-    out = model(rows.tokens, rows.positions, valid=rows.valid, kv=reads.view(pool), with_logits=False,
-                attn_backend=cfg.attn_backend, probe=rows.valid & (rows.tokens == mask_id))
-    score = out.probe if cfg.selector == "attention" else -out.probe
-    score = jnp.where(reads.valid, score, -jnp.inf)
-    return jnp.argsort(-score, axis=1, stable=True).astype(jnp.int32)
+    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, profile: bool = False):
+        self.model, self.config = model, config
+        self.params, treedef = jax.tree.flatten(model.params)
+        self.structure = structure(model.graphdef, treedef, model.config)
+        self.pool = KVPool.zeros(model.config, num_slots, model.dtype)
+        group = model.config.num_heads // model.config.num_kv_heads
+        self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
+        self.profile = profile
+        self.timings = Timings()
+        self.forward_tokens = 0  # tokens the forwards computed, padding excluded
+        self.padded_tokens = 0  # tokens the forwards computed, padding included
+        # time inside the jitted calls and the result fetch: the rest of a step is host work the device
+        # waits for (on a GPU the block loop's call returns only when its loop ends: XLA drives a
+        # while loop's condition from the host)
+        self.device_seconds = 0.0
+        # per forward: (tokens, sum over tokens of the keys each reads, logit rows), padding excluded
+        self.work: list[tuple[int, int, int]] = []
+
+    def fill_affix(self, affix: AffixCache, slots: np.ndarray) -> None:
+        self.pool = fill_affix(self.pool, affix, jnp.asarray(slots), self.model.config.rope_theta)
+
+    def _read_sets(self, plan: Plan, n_rows: int) -> tuple[tuple[ReadSet, ...], np.ndarray]:
+        """Per segment (then empty rows): its private slots, and under acache its shared affix slots;
+        and the number of keys each segment reads."""
+        cols = [s.own_columns if s.needs_probe else s.private_columns for s in plan.segments]
+        maps = [s.read_slot_map for s in plan.segments]
+        private = [m[c] for m, c in zip(maps, cols)]
+        sets = [(private, np.zeros(n_rows, np.int32))]
+        if self.config.selective:
+            shared = [m[s.row.affix_columns] if s.needs_probe else m[s.shared_columns]
+                      for s, m in zip(plan.segments, maps)]
+            if self.config.drop_non_anchor:  # DropNA: the probe still reads the whole affix
+                shared = [v if s.needs_probe else v[:0] for s, v in zip(plan.segments, shared)]
+            offsets = np.zeros(n_rows, np.int32)
+            offsets[:len(plan.segments)] = [s.row.affix_start for s in plan.segments]
+            sets.append((shared, offsets))
+        keys = sum(np.asarray([len(x) for x in v]) for v, _ in sets)
+        return tuple(ReadSet(jnp.asarray(_rows(v, bucket(max(1, max(map(len, v), default=1))), n_rows, 0)),
+                             jnp.asarray(np.asarray([len(x) for x in v] + [0] * (n_rows - len(v)), np.int32)),
+                             jnp.asarray(off)) for v, off in sets), keys
+
+    def _packed(self, plan: Plan, reads: tuple[ReadSet, ...], keys: np.ndarray, n_rows: int) -> PackedStep:
+        cfg, mask_id = self.config, self.model.config.mask_token_id
+        bl = cfg.block_length
+        columns = ([s.own_columns for s in plan.probe] + [s.private_columns for s in plan.recompute]
+                   + [s.block_columns for s in plan.decode])
+        seqs = plan.segments
+        lengths = np.asarray([len(c) for c in columns])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        m_real = int(lengths.sum())
+        m = token_bucket(m_real)
+        tokens = np.full(m, self.model.config.pad_token_id, np.int32)
+        positions = np.zeros(m, np.int32)
+        write = np.full(m, self.pool.num_slots, np.int32)
+        segment = np.full(m, -1, np.int32)
+        weight = np.zeros(m, np.float32)
+        logit_index = np.zeros((n_rows, bl), np.int32)
+        tiles, tile_segment = [], []
+        q = self.tile_tokens
+        for i, (seq, cols, start) in enumerate(zip(seqs, columns, starts)):
+            span = slice(start, start + len(cols))
+            tokens[span], positions[span], segment[span] = seq.tokens[cols], cols, i
+            write[span] = seq.read_slot_map[cols]
+            if seq.needs_probe:
+                weight[span] = seq.tokens[cols] == mask_id
+            else:
+                logit_index[i] = start + np.searchsorted(cols, seq.block_columns)
+            for t0 in range(0, len(cols), q):
+                tiles.append(np.arange(start + t0, start + min(t0 + q, len(cols))))
+                tile_segment.append(i)
+        n_tiles = -(-len(tiles) // 8) * 8
+        tile_rows = _rows(tiles, q, n_tiles, m)
+        tile_seg = np.full(n_tiles, n_rows - 1, np.int32)
+        tile_seg[:len(tile_segment)] = tile_segment
+        commits = self._commits(seqs, n_rows, block_start=[False] * len(plan.probe) + [True] * len(plan.recompute)
+                                + [False] * len(plan.decode), active=[not s.needs_probe for s in seqs])
+        self.forward_tokens += m_real
+        self.padded_tokens += m
+        self.work.append((m_real, int((lengths * keys).sum()), bl * (len(seqs) - len(plan.probe))))
+        for seq, n in zip(seqs, lengths):
+            seq.forward_tokens += int(n)
+        return PackedStep(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(write), jnp.asarray(segment),
+                          jnp.asarray(tile_rows), jnp.asarray(tile_seg), reads, jnp.asarray(logit_index), commits,
+                          jnp.asarray(weight) if plan.probe else None)
+
+    def _commits(self, seqs: list[SequenceState], n_rows: int, block_start: list[bool], active: list[bool]) -> Commits:
+        pad = lambda values, dtype: jnp.asarray(np.asarray(list(values) + [0] * (n_rows - len(values)), dtype))
+        blocks = _rows([s.tokens[s.block_columns] for s in seqs], self.config.block_length, n_rows,
+                       self.model.config.mask_token_id)
+        return Commits(jnp.asarray(blocks), pad([s.seed for s in seqs], np.uint32), pad([s.nfe for s in seqs], np.int32),
+                       pad([s.step for s in seqs], np.int32), pad([s.masked_at_start for s in seqs], np.int32),
+                       pad(block_start, bool), pad(active, bool))
+
+    def _loop(self, plan: Plan, n_rows: int) -> BlockLoop:
+        first = len(plan.probe)  # the loop requests are the packed step's segments from here on
+        n = row_bucket(len(plan.loop))
+        rows = np.full(n, n_rows - 1, np.int32)
+        rows[:len(plan.loop)] = np.arange(first, first + len(plan.loop))
+        block = [s.block_columns for s in plan.loop]
+        write = _rows([s.read_slot_map[c] for s, c in zip(plan.loop, block)], self.config.block_length, n,
+                      self.pool.num_slots)
+        return BlockLoop(jnp.asarray(rows), jnp.asarray(write), jnp.asarray(_rows(block, self.config.block_length, n, 0)))
+
+    def run(self, plan: Plan) -> StepOutput:
+        """Run one iteration of the plan and return what the host must know."""
+        cfg = self.config
+        n_rows = row_bucket(len(plan.segments)) + 1  # the last row stays empty
+        reads, keys = self._read_sets(plan, n_rows)
+        step = self._packed(plan, reads, keys, n_rows)
+        start = called = time.perf_counter()
+        self.pool, after, ranking = packed_step(self.structure, cfg, self.params, self.pool, step)
+        if self.profile:
+            jax.block_until_ready(after)
+            kinds = "+".join(k for k, v in (("probe", plan.probe), ("recompute", plan.recompute),
+                                            ("decode", plan.decode)) if v)
+            self.timings.packed.append((kinds, time.perf_counter() - start))
+            start = time.perf_counter()
+        count = 0
+        rows = None
+        self.device_seconds += time.perf_counter() - called
+        if plan.loop:
+            loop = self._loop(plan, n_rows)
+            called = time.perf_counter()
+            self.pool, rows, count = block_loop(self.structure, cfg, self.params, self.pool, reads, after, loop)
+        else:
+            called = time.perf_counter()
+        rows, count, ranking, after = jax.device_get((rows, count, ranking, after))
+        self.device_seconds += time.perf_counter() - called
+        if self.profile and plan.loop:
+            self.timings.loop.append((int(count), time.perf_counter() - start))
+        loop = plan.loop
+        if not loop:
+            return StepOutput(np.zeros((0, cfg.block_length), np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                              None if ranking is None else np.asarray(ranking)[:len(plan.probe)])
+        first = len(plan.probe)
+        before_loop = np.asarray(after.nfe)[first:first + len(loop)]
+        nfe = np.asarray(rows.nfe)[:len(loop)]
+        for seq, n in zip(loop, nfe - before_loop):  # each loop forward with masks left computed its block
+            seq.forward_tokens += int(n) * cfg.block_length
+        self.forward_tokens += int((nfe - before_loop).sum()) * cfg.block_length
+        self.padded_tokens += int(count) * row_bucket(len(loop)) * cfg.block_length
+        keys = keys[first:first + len(loop)]
+        for i in range(int(count)):  # the loop runs while every row still has masks: all rows compute
+            rows_left = int(((nfe - before_loop) > i).sum())
+            self.work.append((rows_left * cfg.block_length, int(keys[(nfe - before_loop) > i].sum()) * cfg.block_length,
+                              rows_left * cfg.block_length))
+        return StepOutput(np.asarray(rows.block)[:len(loop)], nfe - np.asarray([s.nfe for s in loop]),
+                          np.asarray(rows.step)[:len(loop)] - np.asarray([s.step for s in loop]),
+                          None if ranking is None else np.asarray(ranking)[:len(plan.probe)])

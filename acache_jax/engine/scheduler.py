@@ -3,20 +3,60 @@
 A request's footprint is fixed at admission (its private columns and its affix never grow), so
 admission reserves everything it will ever need and nothing is preempted. Every accepted request
 fits into an empty pool, so the queue always drains.
+
+Each iteration's `Plan` says what the one packed forward computes (probes of newly admitted
+requests, recomputes of requests at a block start, one in-block step of the others) and which
+requests then keep decoding their blocks on the device; `postprocess` applies what came back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from collections.abc import Callable
+
+import numpy as np
 
 from acache_jax.engine.block_manager import BlockManager
-from acache_jax.engine.sequence import Sequence, SequenceStatus
+from acache_jax.engine.sequence import SequenceState, SequenceStatus
 from acache_jax.layout import RequestError
 
 
 class RequestTooLargeError(RequestError):
     """A request that needs more KV blocks than the whole pool has."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """One iteration: the packed forward's segments, in this order, and the device block loop."""
+
+    fills: list[SequenceState]  # newly resident affixes to write into their shared blocks first
+    probe: list[SequenceState]  # admitted, anchors to select (their non-affix columns)
+    recompute: list[SequenceState]  # at a block start (their private columns; the block commits)
+    decode: list[SequenceState]  # mid-block (their block; one in-block step)
+
+    @property
+    def segments(self) -> list[SequenceState]:
+        return self.probe + self.recompute + self.decode
+
+    @property
+    def loop(self) -> list[SequenceState]:
+        """The requests that go on decoding their block on the device after the packed forward."""
+        return self.recompute + self.decode
+
+    @property
+    def empty(self) -> bool:
+        return not (self.probe or self.recompute or self.decode)
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """What the device returns for a plan: per loop request, its block afterwards and counters;
+    per probed request, its affix indices ranked for selection."""
+
+    blocks: np.ndarray  # [len(plan.loop), block_length]
+    nfe: np.ndarray  # [len(plan.loop)] forward calls with masks in the block, this iteration
+    steps: np.ndarray  # [len(plan.loop)] in-block commits, this iteration
+    ranking: np.ndarray | None  # [len(plan.probe), N] best first
 
 
 class Scheduler:
@@ -27,28 +67,29 @@ class Scheduler:
             raise ValueError(f"max_batch must be positive, got {max_batch}")
         self.block_manager = block_manager
         self.max_batch = max_batch
-        self._waiting: deque[Sequence] = deque()
-        self._running: list[Sequence] = []
+        self._waiting: deque[SequenceState] = deque()
+        self._running: list[SequenceState] = []
+        self._finished_last_step: list[SequenceState] = []  # their affix stays resident one admission longer
 
     @property
-    def waiting(self) -> tuple[Sequence, ...]:
+    def waiting(self) -> tuple[SequenceState, ...]:
         return tuple(self._waiting)
 
     @property
-    def running(self) -> tuple[Sequence, ...]:
+    def running(self) -> tuple[SequenceState, ...]:
         return tuple(self._running)
 
     @property
     def idle(self) -> bool:
         return not self._waiting and not self._running
 
-    def _blocks(self, seq: Sequence, k: int) -> tuple[int, int]:
+    def _blocks(self, seq: SequenceState, k: int) -> tuple[int, int]:
         """(private blocks, affix blocks) the sequence holds while it runs with K anchors."""
         bm = self.block_manager
         affix = bm.blocks_for(seq.affix_len) if seq.shares_affix else 0
         return bm.blocks_for(seq.num_private(k)), affix
 
-    def add(self, seq: Sequence, k: int) -> None:
+    def add(self, seq: SequenceState, k: int) -> None:
         """Queue a request with K anchors; reject one that could not run even in an empty pool.
 
         The affix counts even when it is resident: it stays resident while the request runs.
@@ -66,12 +107,8 @@ class Scheduler:
         seq.num_anchors = k
         self._waiting.append(seq)
 
-    def admit(self) -> list[Sequence]:
-        """Admit waiting requests in FIFO order while blocks and batch room suffice; the newly admitted.
-
-        The runner then fills the affix blocks of sequences with `affix_is_new`, probes those with
-        `needs_probe` and calls `set_anchors`.
-        """
+    def admit(self) -> list[SequenceState]:
+        """Admit waiting requests in FIFO order while blocks and batch room suffice; the newly admitted."""
         bm, admitted = self.block_manager, []
         while self._waiting and len(self._running) < self.max_batch:
             seq = self._waiting[0]
@@ -92,26 +129,64 @@ class Scheduler:
             admitted.append(seq)
         return admitted
 
-    def finish(self, seq: Sequence, release_affix: bool = True) -> None:
-        """Free the request's private blocks at once and release its affix (or leave that to a later
-        `release_affix`, so that a request admitted next can still find the affix resident)."""
+    def schedule(self, mask_id: int) -> Plan:
+        """Admit what fits, release affixes of the last finished, and plan the next iteration."""
+        admitted = self.admit()
+        for seq in self._finished_last_step:  # the affix was kept for this admission only
+            self.release_affix(seq)
+        self._finished_last_step = []
+        plan = Plan([s for s in admitted if s.affix_is_new], [], [], [])
+        for seq in self._running:
+            if seq.needs_probe:
+                plan.probe.append(seq)
+            elif seq.needs_recompute:
+                seq.step, seq.masked_at_start = 0, int((seq.tokens[seq.block_columns] == mask_id).sum())
+                plan.recompute.append(seq)
+            else:
+                plan.decode.append(seq)
+        return plan
+
+    def postprocess(self, plan: Plan, out: StepOutput, mask_id: int, eos: int | None) -> list[SequenceState]:
+        """Apply an iteration's results; free the requests that finished and return them.
+
+        eos: with early stop, the end-of-text id (a finished block all of it ends the request).
+        """
+        for seq, ranking in zip(plan.probe, [] if out.ranking is None else out.ranking):
+            seq.set_anchors(ranking[:seq.num_anchors])
+            seq.probed = True
+        for seq in plan.recompute:
+            seq.needs_recompute = False
+        finished = []
+        for seq, block, nfe, steps in zip(plan.loop, out.blocks, out.nfe, out.steps):
+            seq.tokens[seq.block_columns] = block
+            seq.nfe += int(nfe)
+            seq.step += int(steps)
+            if (block == mask_id).any():
+                continue
+            if eos is not None and (block == eos).all():
+                seq.end_generation(eos)
+            if seq.block == seq.num_gen_blocks or not seq.advance_block():
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def finish(self, seq: SequenceState) -> None:
+        """Free the request's private blocks at once; its affix is released at the next admission,
+        so that a request admitted then can still find the affix resident."""
         assert seq.status is SequenceStatus.RUNNING, f"{seq} is not running"
         self._running.remove(seq)
         self.block_manager.free(seq.private_blocks)
         seq.private_blocks = []
         seq.status = SequenceStatus.FINISHED
-        if release_affix:
-            self.release_affix(seq)
+        self._finished_last_step.append(seq)
 
-    def release_affix(self, seq: Sequence) -> None:
+    def release_affix(self, seq: SequenceState) -> None:
         assert seq.status is SequenceStatus.FINISHED, f"{seq} has not finished"
         if seq.shares_affix:
             self.block_manager.release_shared(seq.affix_key)
 
-    def split(self, needs_recompute: Callable[[Sequence], bool] = lambda s: s.needs_recompute,
-              ) -> tuple[list[Sequence], list[Sequence]]:
-        """(running sequences that need a recompute this step, the others), each in admission order."""
-        recompute, decoding = [], []
-        for seq in self._running:
-            (recompute if needs_recompute(seq) else decoding).append(seq)
-        return recompute, decoding
+    def drain(self) -> None:
+        """Release the affixes of the last finished requests now (the engine is going idle)."""
+        for seq in self._finished_last_step:
+            self.release_affix(seq)
+        self._finished_last_step = []

@@ -1,0 +1,142 @@
+"""The serving engine under realistic traffic, Fast-dLLM dual-cache baseline vs ACache side by side.
+
+    python -m eval.bench_traffic --model acache_jax/models/llada-small [--requests 120] [--rate 40]
+    python -m eval.bench_traffic --shape llada [--requests 64] [--rate 8]   # 8B-shaped random weights
+
+Requests arrive as a Poisson process (`--rate` per second) and mix three shared affixes, each
+placed as prefix, infix or suffix at random, with generation lengths drawn from `--gen-lengths`.
+With a model directory (the shipped models): held-out questions of the three tasks with their
+task's few-shot affix, decoded with the model's threshold; with `--shape`: random ids in the
+LLaDA-8B / Dream-7B shapes (affixes of 230, 460 and 920 tokens, 80-token questions) and a fixed
+schedule of `--tokens-per-step` (random weights give no useful confidences). Both policies serve
+the same requests at the same arrival times after a warm-up run that compiles every program.
+Reports generated tokens/s over the whole run and request latency (arrival to finish) p50 / p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from acache_jax.checkpoint import load
+from acache_jax.engine import Engine
+from acache_jax.files import check_output_path, write_atomic
+from acache_jax.layout import AFFIX_POSITIONS, Request
+
+POLICIES = {"baseline": "dual", "acache": "acache"}
+
+
+def task_workload(model, n: int, gen_lengths: list[int], rng: np.random.Generator):
+    """(affix ids per request, request, gen length) from the seeded tasks (a world per task)."""
+    from eval.tasks import STUDY_TASKS, eval_split, get_task
+    from eval.tasks.layouts import affix_ids, encoder, request
+
+    encode = encoder(model.tokenizer)
+    worlds = {task: eval_split(get_task(task), 0, n) for task in STUDY_TASKS}
+    out = []
+    for i in range(n):
+        task = STUDY_TASKS[int(rng.integers(len(STUDY_TASKS)))]
+        placement = AFFIX_POSITIONS[int(rng.integers(3))]
+        examples, questions = worlds[task]
+        out.append((affix_ids(encode, examples, placement), request(encode, questions[i], placement, seed=i),
+                    int(rng.choice(gen_lengths))))
+    return out
+
+
+def random_workload(cfg, n: int, gen_lengths: list[int], rng: np.random.Generator):
+    ids = lambda k: rng.integers(0, cfg.mask_token_id - 1, size=k).tolist()
+    affixes = [ids(k) for k in (230, 460, 920)]
+    out = []
+    for i in range(n):
+        placement = AFFIX_POSITIONS[int(rng.integers(3))]
+        tail = ids(8) if placement == "infix" else ()
+        out.append((affixes[int(rng.integers(3))], Request(ids(80), tail, placement, seed=i),
+                    int(rng.choice(gen_lengths))))
+    return out
+
+
+def serve(model, config, workload, arrivals: np.ndarray, max_batch: int, pool_tokens: int) -> dict:
+    """Feed requests at their arrival times; returns throughput and latency percentiles."""
+    engine = Engine(model, config, pool_tokens=pool_tokens, max_batch=max_batch)
+    start = time.perf_counter()
+    pending, arrived_at, latency = 0, {}, {}
+    while len(latency) < len(workload):
+        now = time.perf_counter() - start
+        while pending < len(workload) and arrivals[pending] <= now:
+            affix, request, gen = workload[pending]
+            arrived_at[engine.add(request, affix, gen_length=gen)] = arrivals[pending]
+            pending += 1
+        if engine.scheduler.idle:  # nothing to do before the next arrival
+            time.sleep(max(0.0, arrivals[pending] - now))
+            continue
+        for res in engine.step():
+            latency[res.request_id] = time.perf_counter() - start - arrived_at[res.request_id]
+    seconds = time.perf_counter() - start
+    engine.scheduler.drain()
+    lat = np.asarray(list(latency.values()))
+    generated = sum(gen for _, _, gen in workload)
+    return dict(seconds=seconds, tokens_per_s=generated / seconds, p50_s=float(np.percentile(lat, 50)),
+                p99_s=float(np.percentile(lat, 99)), padded_over_forward=engine.stats.padded_tokens
+                / max(1, engine.stats.forward_tokens), host_fraction=engine.stats.host_seconds / engine.stats.seconds)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eval.bench_traffic", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", type=Path, help="a model directory (threshold decoding on task questions)")
+    src.add_argument("--shape", choices=["llada", "dream"], help="8B-shaped random weights (fixed schedule)")
+    p.add_argument("--layers", type=int, help="--shape: fewer layers (smoke runs)")
+    p.add_argument("--requests", type=int, default=120)
+    p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (Poisson)")
+    p.add_argument("--gen-lengths", default="32,64", help="comma-separated, drawn uniformly per request")
+    p.add_argument("--block", type=int, default=32)
+    p.add_argument("--tokens-per-step", type=int, default=8, help="--shape: the fixed schedule")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="also write the result here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.json:
+        check_output_path(args.json)
+    rng = np.random.default_rng(args.seed)
+    gens = [int(g) for g in args.gen_lengths.split(",")]
+    if args.model:
+        model = load(args.model)
+        workload = task_workload(model, args.requests, gens, rng)
+        base = model.decode_config(gen_length=max(gens), block_length=args.block)
+    else:
+        from eval.bench_decode import llada_8b, random_model
+        from eval.bench_engine import dream_7b
+
+        cfg = (llada_8b if args.shape == "llada" else dream_7b)(args.layers or (32 if args.shape == "llada" else 28))
+        model = random_model(cfg)
+        workload = random_workload(cfg, args.requests, gens, rng)
+        steps = max(gens) // args.tokens_per_step
+        base = model.decode_config(gen_length=max(gens), block_length=args.block, steps=steps, threshold=None)
+    arrivals = np.cumsum(rng.exponential(1.0 / args.rate, size=args.requests))
+    pool_tokens = args.max_batch * (max(len(a) for a, _, _ in workload) + 200 + max(gens)) + 4096
+    result = dict(model=str(args.model or args.shape), requests=args.requests, rate=args.rate, gen_lengths=gens)
+    for name, cache in POLICIES.items():
+        config = base.replace(cache=cache, anchor_ratio=args.ratio)
+        serve(model, config, workload, np.zeros(len(workload)), args.max_batch, pool_tokens)  # compile, all at once
+        serve(model, config, workload[: args.max_batch], arrivals[: args.max_batch] - arrivals[0], args.max_batch,
+              pool_tokens)  # and the shapes of a trickle
+        result[name] = serve(model, config, workload, arrivals, args.max_batch, pool_tokens)
+        print(json.dumps({name: result[name]}), flush=True)
+    result["speedup"] = result["acache"]["tokens_per_s"] / result["baseline"]["tokens_per_s"]
+    print(json.dumps(result))
+    if args.json:
+        write_atomic(args.json, json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
