@@ -8,7 +8,8 @@
 `lm_eval.api.model.LM` subclass, for `lm_eval.simple_evaluate(model=ACacheLM(...))`.
 
 Model args (`--model_args key=value,...`; text is converted by each setting's type):
-- pretrained (an HF snapshot or converted directory; default the shipped llada-small), dtype;
+- pretrained (an HF snapshot or converted directory; default the shipped llada-small), dtype
+  (float32 | bfloat16 | auto: as stored);
 - every `DecodeConfig` field (cache, gen_length, block_length, threshold, steps, anchor_ratio,
   selector, drop_non_anchor, ...): the model's generation defaults, overridden by these;
 - engine (serve generation with the continuous-batching `Engine`), batch_size (requests decoded
@@ -155,7 +156,8 @@ def settings(model_args: dict[str, Any]) -> Settings:
     generation_config.json but no weights, so a bad setting is reported before any work."""
     own, overrides = parse_model_args(model_args)
     get = own.get
-    s = Settings(Path(get("pretrained") or DEFAULT_MODEL), get("dtype"), DecodeConfig(), "gen_length" in overrides,
+    dtype = None if get("dtype") == "auto" else get("dtype")  # "auto", as HF models take it: as stored
+    s = Settings(Path(get("pretrained") or DEFAULT_MODEL), dtype, DecodeConfig(), "gen_length" in overrides,
                  get("engine", False), get("batch_size") or DEFAULT_BATCH, get("mc_num", 128), get("chat", True),
                  get("seed", 0), get("affix_mode"), get("num_fewshot_affix", 0), get("fewshot_seed"), get("include_path"))
     for name, value, low in (("batch_size", s.batch_size, 1), ("mc_num", s.mc_num, 1),
@@ -411,9 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    known, _ = parser().parse_known_args(argv[1:] if argv[:1] == ["run"] else argv)
+    helping = bool({"-h", "--help"} & set(argv))
+    known = None if helping else parser().parse_known_args(argv[1:] if argv[:1] == ["run"] else argv)[0]
     try:
-        if known.model == MODEL_NAME:
+        if known is not None and known.model == MODEL_NAME:
             model_args = dict(known.model_args or {})
             if known.include_path and "include_path" not in model_args:
                 argv += ["--model_args", json.dumps({"include_path": known.include_path})]

@@ -153,6 +153,51 @@ def test_the_engine_answers_like_the_static_path(manager, model):
     assert answers == eval_answers(model, "codebook", "prefix", 1, N, config)
 
 
+def _published(root: Path) -> None:
+    """Tiny files in the published formats of GSM8K, MBPP and BABILong-0k/qa1."""
+    def write(path: Path, records: list[dict]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+    gsm = lambda a, b: {"question": f"Tom has {a} apples and buys {b} more. How many does he have?",
+                        "answer": f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
+    write(root / "gsm8k" / "test.jsonl", [gsm(3, 4), gsm(10, 5)])
+    write(root / "gsm8k" / "train.jsonl", [gsm(1, 1)])
+    mbpp = lambda task_id: {"task_id": task_id, "text": "Write a function to add two numbers.",
+                            "code": "def add(a, b):\n    return a + b", "test_setup_code": "",
+                            "test_list": ["assert add(1, 2) == 3", "assert add(0, 0) == 0", "assert add(-1, 1) == 0"],
+                            "challenge_test_list": []}
+    write(root / "mbpp" / "mbpp.jsonl", [mbpp(2), mbpp(11), mbpp(600)])
+    write(root / "babilong" / "0k" / "qa1.jsonl", [
+        {"input": "Mary moved to the bathroom. John went to the hallway.", "question": "Where is Mary?", "target": "bathroom"},
+        {"input": "Daniel went back to the garden.", "question": "Where is Daniel?", "target": "garden"}])
+
+
+@pytest.mark.parametrize("task, good, bad", [
+    ("acache_gsm8k", "3 + 4 = 7.\nThe answer is 7", "The answer is 8"),
+    ("acache_mbpp", "def add(a, b):\n    return a + b\n[DONE]", "def add(a, b):\n    return a - b"),
+    ("acache_babilong_qa1", "bathroom", "hallway"),
+])
+def test_published_formats_become_the_papers_documents(tmp_path, monkeypatch, task, good, bad):
+    """GSM8K, MBPP and BABILong files as published: the paper's query and few-shot answer in each
+    document (eval.tasks.loaders'), scored by the paper's answer extraction, usable in affix mode."""
+    from eval.tasks.loaders import LOADERS
+
+    _published(tmp_path)
+    monkeypatch.setenv("ACACHE_LM_EVAL_DATA", str(tmp_path))
+    loaded = TaskManager(include_path=str(TASKS), include_defaults=False).load([task])["tasks"][task]
+    docs, shots = list(loaded.test_docs()), list(loaded.fewshot_docs())
+    source = {"acache_gsm8k": "gsm8k/test.jsonl", "acache_mbpp": "mbpp/mbpp.jsonl", "acache_babilong_qa1": "babilong/0k/qa1.jsonl"}
+    first = LOADERS[task.split("_")[1]](tmp_path / source[task])[1 if task == "acache_mbpp" else 0]
+    assert docs[0]["query"] == first.prompt.query(first.question) and docs[0]["answer_prompt"] == first.prompt.back
+    assert len(docs) == (1 if task == "acache_mbpp" else 2) and shots[0]["shot_answer"]
+    assert loaded.process_results(docs[0], [good]) == {"acc": 1.0}
+    assert loaded.process_results(docs[0], [bad]) == {"acc": 0.0}
+    lm = ACacheLM(include_path=str(TASKS), affix_mode="infix", num_fewshot_affix=1)
+    inst = Instance("generate_until", docs[0], (docs[0]["query"], {}), 0, (task, 0, 1))
+    assert lm.request(inst).tail and lm.affix(task).text.startswith("Example 1:\n" + shots[0]["query"])
+
+
 @pytest.mark.parametrize("name", ["llada-small", "dream-small"])
 def test_a_one_token_continuation_scores_its_masked_cross_entropy(name):
     """With L = 1 every sample masks the one token (weight 1): the estimate is log p of it at the
