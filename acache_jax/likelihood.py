@@ -13,7 +13,8 @@ the same number).
 Masks are drawn on the host from a generator seeded by (seed, the pair's token ids), so a pair's
 estimate depends on neither the other pairs nor their order. Rows of any pairs are packed
 `rows` at a time into one forward (right-padded to a bucketed length: one compiled program per
-(rows, length, continuation) bucket); a row's loss does not depend on the rows beside it.
+(rows, length, continuation) bucket, padding never attended to); rows are made as they are
+consumed, so memory does not grow with mc_num times the number of pairs.
 Classifier-free guidance (cfg_scale > 0) adds the unconditional copy (prompt masked) as in LLaDA.
 Dream's logit shift happens inside the model's forward.
 """
@@ -21,6 +22,7 @@ Dream's logit shift happens inside the model's forward.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Sequence
 
 import jax
@@ -54,6 +56,10 @@ def _pair_rng(seed: int, prompt: list[int], continuation: list[int]) -> np.rando
     return np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
 
 
+# Incremented each time the loss program is traced: tests use it to count compilations.
+TRACE_COUNT = {"row_losses": 0}
+
+
 def _row_losses(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, valid: jax.Array,
                 prompt: jax.Array, index: jax.Array, target: jax.Array, weight: jax.Array, *,
                 mask_id: int, cfg_scale: float, attn_backend: str | None) -> jax.Array:
@@ -63,6 +69,7 @@ def _row_losses(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, va
     positions guidance masks out); index, target, weight: [R, C] continuation positions, their
     true ids and weights.
     """
+    TRACE_COUNT["row_losses"] += 1
     r, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (r, t))
     if cfg_scale > 0:
@@ -117,18 +124,20 @@ def loglikelihood(model: Model, pairs: Sequence[tuple[Sequence[int], Sequence[in
     rows = rows or group
     pairs = check_pairs(model, pairs)
     mask_id = model.config.mask_token_id
-    # Every sample of every pair: (pair, sequence with its masks applied, scored positions, weights).
-    samples = []
-    for p, (prompt, continuation) in enumerate(pairs):
-        length = len(continuation)
-        for mask in sample_masks(_pair_rng(seed, prompt, continuation), length, mc_num, group):
-            seq = np.asarray(prompt + continuation, np.int32)
-            seq[len(prompt):][mask] = mask_id
-            samples.append((p, seq, len(prompt), mask * (length / mask.sum())))
-    samples.sort(key=lambda s: len(s[1]))  # similar lengths share a forward
-    totals = np.zeros(len(pairs), np.float64)
-    for start in range(0, len(samples), rows):
-        chunk = samples[start:start + rows]
+
+    def samples():
+        """(pair, sequence with its masks applied, prompt length, weights) of every sample, pairs in
+        order of length so that a forward's rows are alike; made as they are consumed."""
+        for p in sorted(range(len(pairs)), key=lambda p: sum(map(len, pairs[p]))):
+            prompt, continuation = pairs[p]
+            for mask in sample_masks(_pair_rng(seed, prompt, continuation), len(continuation), mc_num, group):
+                seq = np.asarray(prompt + continuation, np.int32)
+                seq[len(prompt):][mask] = mask_id
+                yield p, seq, len(prompt), mask * (len(continuation) / mask.sum())
+
+    pending = []  # (pairs of the rows, their losses still on the device): no host sync per forward
+    stream = samples()
+    while chunk := list(itertools.islice(stream, rows)):
         t = bucket(max(len(s[1]) for s in chunk))
         c = bucket(max(len(s[3]) for s in chunk), minimum=8)
         tokens = np.full((rows, t), model.config.pad_token_id, np.int32)
@@ -140,13 +149,14 @@ def loglikelihood(model: Model, pairs: Sequence[tuple[Sequence[int], Sequence[in
             index[i, :len(w)] = n_prompt + np.arange(len(w))
             target[i, :len(w)] = pairs[p][1]
             weight[i, :len(w)] = w
-        losses = np.asarray(row_losses(model.graphdef, model.params, jnp.asarray(tokens), jnp.asarray(valid),
-                                       jnp.asarray(prompt_cols), jnp.asarray(index), jnp.asarray(target),
-                                       jnp.asarray(weight), mask_id=mask_id, cfg_scale=float(cfg_scale),
-                                       attn_backend=attn_backend))
-        for i, (p, *_rest) in enumerate(chunk):
-            totals[p] += losses[i]
+        inputs = (jnp.asarray(a) for a in (tokens, valid, prompt_cols, index, target, weight))
+        losses = row_losses(model.graphdef, model.params, *inputs, mask_id=mask_id, cfg_scale=float(cfg_scale),
+                            attn_backend=attn_backend)
+        pending.append(([s[0] for s in chunk], losses))
+    totals = np.zeros(len(pairs), np.float64)
+    for owners, losses in pending:
+        np.add.at(totals, owners, np.asarray(losses)[:len(owners)])
     return -totals / mc_num
 
 
-__all__ = ["check_pairs", "loglikelihood", "mask_counts", "row_losses", "sample_masks"]
+__all__ = ["TRACE_COUNT", "check_pairs", "loglikelihood", "mask_counts", "row_losses", "sample_masks"]

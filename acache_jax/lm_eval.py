@@ -64,7 +64,10 @@ try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 except ImportError as e:  # pragma: no cover (the lm-eval extra is not installed)
-    raise ImportError("acache_jax.lm_eval needs lm-eval: pip install 'acache-jax[lm-eval]'") from e
+    _NEEDS = "acache_jax.lm_eval needs lm-eval: pip install 'acache-jax[lm-eval]'"
+    if __name__ == "__main__":
+        sys.exit(f"error: {_NEEDS}")
+    raise ImportError(_NEEDS) from e
 
 log = logging.getLogger(__name__)
 MODEL_NAME = "acache_jax"
@@ -315,9 +318,10 @@ class ACacheLM(LM):
             request, affix = Request(self.model.encode(text, chat=False, special_tokens=special), seed=seed), None
         return _Job(request, self._config_for(max_tokens, where), affix, until, max_tokens)
 
-    def _decode(self, config: DecodeConfig, requests: list[Request], affix: Any) -> list[np.ndarray]:
+    def _decode(self, config: DecodeConfig, requests: list[Request], affix: Any, progress: bool) -> list[np.ndarray]:
         if not self.settings.engine:
-            return generate(self.model, requests, config, affix=affix, max_batch=self.settings.batch_size).tokens
+            return generate(self.model, requests, config, affix=affix, max_batch=self.settings.batch_size,
+                            progress=progress).tokens
         if config not in self._engines:
             self._engines[config] = Engine(self.model, config, max_batch=self.settings.batch_size)
         return [r.tokens for r in self._engines[config].generate(requests, affix)]
@@ -337,7 +341,7 @@ class ACacheLM(LM):
         texts: list[str] = [""] * len(jobs)
         for (config, task), members in groups.items():
             affix = None if task is None else self._caches.get(task) or self._affixes[task].ids
-            tokens = self._decode(config, [jobs[i].request for i in members], affix)
+            tokens = self._decode(config, [jobs[i].request for i in members], affix, progress=not disable_tqdm)
             for i, t in zip(members, tokens):
                 texts[i] = self._text(jobs[i], t)
                 self.cache_hook.add_partial("generate_until", requests[i].args, texts[i])

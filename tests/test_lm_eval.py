@@ -15,7 +15,10 @@ import jax
 import numpy as np
 import pytest
 
-lm_eval = pytest.importorskip("lm_eval")
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}  # no hub: read before lm-eval imports datasets
+for _key, _value in OFFLINE.items():
+    os.environ.setdefault(_key, _value)
+import lm_eval  # noqa: E402 (the test extra installs it)
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
@@ -34,7 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "acache_jax" / "models" / "llada-small"
 TASKS = ROOT / "eval" / "lm_eval_tasks"
 N = 16  # questions per task (arithmetic: 2 N)
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +46,7 @@ def data(tmp_path_factory) -> Path:
     lm_eval_data.write(out, ["babi", "codebook"], N)
     lm_eval_data.write(out, ["arithmetic"], 2 * N)
     with pytest.MonkeyPatch.context() as mp:
-        for key, value in (OFFLINE | {"ACACHE_LM_EVAL_DATA": str(out)}).items():
-            mp.setenv(key, value)
+        mp.setenv("ACACHE_LM_EVAL_DATA", str(out))
         yield out
 
 
@@ -221,12 +222,14 @@ def test_the_estimate_is_stratified_seeded_and_independent_of_batching(model):
     masks = likelihood.sample_masks(np.random.default_rng(1), 5, 6, 3)
     assert masks.shape == (6, 5) and (masks.sum(1) >= 1).all()
     encode = encoder(model.tokenizer)
-    pairs = [(encode("Question: What is 3 + 4 ?"), encode(" 3 + 4 = 7. The answer is 7")),
+    pairs = [(encode("What is 3 + 4 ?"), encode(" 3 + 4 = 7")),  # all in one length bucket
              (encode("Decode: zib"), encode(" zib means purple.")), (encode("Where is Mary ?"), encode(" garden"))]
     a = likelihood.loglikelihood(model, pairs, mc_num=8, group=4, rows=8, seed=5)
     b = likelihood.loglikelihood(model, pairs[::-1], mc_num=8, group=4, rows=3, seed=5)[::-1]
     np.testing.assert_allclose(a, b, rtol=1e-5)
+    traced = likelihood.TRACE_COUNT["row_losses"]
     c = likelihood.loglikelihood(model, pairs, mc_num=8, group=4, rows=8, seed=6)
+    assert likelihood.TRACE_COUNT["row_losses"] == traced  # one program per (rows, length) bucket, compiled once
     assert not np.allclose(a[:2], c[:2]) and np.all(a < 0)
     with pytest.raises(InputError, match="multiple of the sample group"):
         likelihood.loglikelihood(model, pairs, mc_num=6, group=4)
