@@ -12,8 +12,9 @@ Model args (`--model_args key=value,...`; text is converted by each setting's ty
   (float32 | bfloat16 | auto: as stored);
 - every `DecodeConfig` field (cache, gen_length, block_length, threshold, steps, anchor_ratio,
   selector, drop_non_anchor, ...): the model's generation defaults, overridden by these;
-- engine (serve generation with the continuous-batching `Engine`), batch_size (requests decoded
-  together, and loglikelihood rows per forward; lm-eval's --batch_size when not given here);
+- engine (serve generation with the continuous-batching `Engine`; pool_tokens: its KV pool),
+  batch_size (requests decoded together, and loglikelihood rows per forward; lm-eval's
+  --batch_size when not given here);
 - mc_num: loglikelihood samples per request (in stratified groups of min(batch_size, mc_num));
 - chat (default true): prompts are a user turn of the model's chat template; seed: the request of
   document d decodes with seed + d, and loglikelihood masks are drawn from seed;
@@ -75,7 +76,7 @@ MODEL_NAME = "acache_jax"
 ADAPTER_KINDS = {
     "pretrained": "opt str", "dtype": "opt str", "engine": "bool", "batch_size": "batch", "mc_num": "int",
     "chat": "bool", "seed": "int", "affix_mode": "opt str", "num_fewshot_affix": "int", "fewshot_seed": "opt int",
-    "include_path": "opt str",
+    "include_path": "opt str", "pool_tokens": "opt int",
 }
 IGNORED = ("device", "max_batch_size", "trust_remote_code")  # lm-eval passes these to every model
 DEFAULT_BATCH = 16
@@ -147,6 +148,7 @@ class Settings:
     shots: int
     fewshot_seed: int | None
     include_path: str | None
+    pool_tokens: int | None  # engine: KV pool size in tokens (default: the engine's)
 
     @property
     def group(self) -> int:
@@ -162,10 +164,11 @@ def settings(model_args: dict[str, Any]) -> Settings:
     dtype = None if get("dtype") == "auto" else get("dtype")  # "auto", as HF models take it: as stored
     s = Settings(Path(get("pretrained") or DEFAULT_MODEL), dtype, DecodeConfig(), "gen_length" in overrides,
                  get("engine", False), get("batch_size") or DEFAULT_BATCH, get("mc_num", 128), get("chat", True),
-                 get("seed", 0), get("affix_mode"), get("num_fewshot_affix", 0), get("fewshot_seed"), get("include_path"))
+                 get("seed", 0), get("affix_mode"), get("num_fewshot_affix", 0), get("fewshot_seed"), get("include_path"),
+                 get("pool_tokens"))
     for name, value, low in (("batch_size", s.batch_size, 1), ("mc_num", s.mc_num, 1),
                              ("num_fewshot_affix", s.shots, 0), ("seed", s.seed, 0),
-                             ("fewshot_seed", s.fewshot_seed or 0, 0)):
+                             ("fewshot_seed", s.fewshot_seed or 0, 0), ("pool_tokens", s.pool_tokens or 1, 1)):
         if not low <= value <= MAX_SEED:
             raise InputError(f"model_args: {name} must be an integer in [{low}, {MAX_SEED}], got {value}")
     if s.mc_num % s.group:
@@ -323,7 +326,8 @@ class ACacheLM(LM):
             return generate(self.model, requests, config, affix=affix, max_batch=self.settings.batch_size,
                             progress=progress).tokens
         if config not in self._engines:
-            self._engines[config] = Engine(self.model, config, max_batch=self.settings.batch_size)
+            self._engines[config] = Engine(self.model, config, pool_tokens=self.settings.pool_tokens,
+                                           max_batch=self.settings.batch_size)
         return [r.tokens for r in self._engines[config].generate(requests, affix)]
 
     def _text(self, job: _Job, tokens: np.ndarray) -> str:
