@@ -88,7 +88,8 @@ def _row_losses(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, va
 row_losses = jax.jit(_row_losses, static_argnums=0, static_argnames=("mask_id", "cfg_scale", "attn_backend"))
 
 
-def check_pairs(model: Model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[tuple[list[int], list[int]]]:
+def check_pairs(model: Model, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]
+                ) -> list[tuple[list[int], list[int]]]:
     """The pairs as id lists; a clear error naming the pair for one that cannot be scored."""
     out = []
     cfg = model.config

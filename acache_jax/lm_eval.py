@@ -164,8 +164,8 @@ def settings(model_args: dict[str, Any]) -> Settings:
     dtype = None if get("dtype") == "auto" else get("dtype")  # "auto", as HF models take it: as stored
     s = Settings(Path(get("pretrained") or DEFAULT_MODEL), dtype, DecodeConfig(), "gen_length" in overrides,
                  get("engine", False), get("batch_size") or DEFAULT_BATCH, get("mc_num", 128), get("chat", True),
-                 get("seed", 0), get("affix_mode"), get("num_fewshot_affix", 0), get("fewshot_seed"), get("include_path"),
-                 get("pool_tokens"))
+                 get("seed", 0), get("affix_mode"), get("num_fewshot_affix", 0), get("fewshot_seed"),
+                 get("include_path"), get("pool_tokens"))
     for name, value, low in (("batch_size", s.batch_size, 1), ("mc_num", s.mc_num, 1),
                              ("num_fewshot_affix", s.shots, 0), ("seed", s.seed, 0),
                              ("fewshot_seed", s.fewshot_seed or 0, 0), ("pool_tokens", s.pool_tokens or 1, 1)):
@@ -311,7 +311,8 @@ class ACacheLM(LM):
         until = gen_kwargs.get("until") or []
         until = [until] if isinstance(until, str) else [u for u in until if u]
         max_tokens = gen_kwargs.get("max_gen_toks")
-        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0):
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens <= 0):
             raise InputError(f"{where}: max_gen_toks must be a positive integer, got {max_tokens!r}")
         seed = (self.settings.seed + (req.doc_id or 0)) % (MAX_SEED + 1)
         if self.settings.affix_mode:

@@ -89,7 +89,8 @@ def test_the_command_line_runs_both_kinds_of_task(data, model, tmp_path):
          "--log_samples"], cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, **OFFLINE})
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
-    samples = [json.loads(line) for line in next(out.rglob("samples_acache_arithmetic_*.jsonl")).read_text().splitlines()]
+    lines = next(out.rglob("samples_acache_arithmetic_*.jsonl")).read_text().splitlines()
+    samples = [json.loads(line) for line in lines]
     answers = [s["filtered_resps"][0] for s in sorted(samples, key=lambda s: s["doc_id"])]
     assert answers == eval_answers(model, "arithmetic", "none", 0, 2 * N)
     assert results["acache_arithmetic"]["acc,none"] == accuracy(model, "arithmetic", "none", 0, 2 * N)
@@ -111,7 +112,8 @@ def _instances(manager, task: str, gen_kwargs: dict | None = None) -> list[Insta
     """lm-eval's generate_until instances of a task's documents, as lm-eval builds them."""
     docs = list(manager.load([task])["tasks"][task].test_docs())
     kwargs = gen_kwargs or {"until": [], "max_gen_toks": 32}
-    return [Instance("generate_until", doc, (doc["query"], dict(kwargs)), 0, (task, i, 1)) for i, doc in enumerate(docs)]
+    return [Instance("generate_until", doc, (doc["query"], dict(kwargs)), 0, (task, i, 1))
+            for i, doc in enumerate(docs)]
 
 
 @pytest.mark.parametrize("placement", ["prefix", "infix", "suffix"])
@@ -170,7 +172,8 @@ def _published(root: Path) -> None:
                             "challenge_test_list": []}
     write(root / "mbpp" / "mbpp.jsonl", [mbpp(2), mbpp(11), mbpp(600)])
     write(root / "babilong" / "0k" / "qa1.jsonl", [
-        {"input": "Mary moved to the bathroom. John went to the hallway.", "question": "Where is Mary?", "target": "bathroom"},
+        {"input": "Mary moved to the bathroom. John went to the hallway.", "question": "Where is Mary?",
+         "target": "bathroom"},
         {"input": "Daniel went back to the garden.", "question": "Where is Daniel?", "target": "garden"}])
 
 
@@ -188,7 +191,8 @@ def test_published_formats_become_the_papers_documents(tmp_path, monkeypatch, ta
     monkeypatch.setenv("ACACHE_LM_EVAL_DATA", str(tmp_path))
     loaded = TaskManager(include_path=str(TASKS), include_defaults=False).load([task])["tasks"][task]
     docs, shots = list(loaded.test_docs()), list(loaded.fewshot_docs())
-    source = {"acache_gsm8k": "gsm8k/test.jsonl", "acache_mbpp": "mbpp/mbpp.jsonl", "acache_babilong_qa1": "babilong/0k/qa1.jsonl"}
+    source = {"acache_gsm8k": "gsm8k/test.jsonl", "acache_mbpp": "mbpp/mbpp.jsonl",
+              "acache_babilong_qa1": "babilong/0k/qa1.jsonl"}
     first = LOADERS[task.split("_")[1]](tmp_path / source[task])[1 if task == "acache_mbpp" else 0]
     assert docs[0]["query"] == first.prompt.query(first.question) and docs[0]["answer_prompt"] == first.prompt.back
     assert len(docs) == (1 if task == "acache_mbpp" else 2) and shots[0]["shot_answer"]

@@ -67,7 +67,8 @@ def gsm8k(**_metadata: Any) -> datasets.DatasetDict:
 
 def mbpp(**_metadata: Any) -> datasets.DatasetDict:
     docs = _with_layout(_file("mbpp", "mbpp"), load_mbpp, lambda ex, rec: rec["code"])
-    return _splits(test=[d for d in docs if 11 <= d["task_id"] <= 510], prompt=[d for d in docs if 1 <= d["task_id"] <= 10])
+    return _splits(test=[d for d in docs if 11 <= d["task_id"] <= 510],
+                   prompt=[d for d in docs if 1 <= d["task_id"] <= 10])
 
 
 def babilong(**_metadata: Any) -> datasets.DatasetDict:
