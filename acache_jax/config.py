@@ -228,8 +228,9 @@ def anchor_count(ratio: float, affix_len: int) -> int:
     return min(math.ceil(ratio * affix_len), affix_len)
 
 
-# The type each DecodeConfig field must have ("opt" = may also be None); checked before any value.
-_FIELD_KINDS = {
+# The type each DecodeConfig field must have ("opt" = may also be None); checked before any value, and
+# what readers of settings given as text (the lm-eval adapter's model_args) convert by.
+FIELD_KINDS = {
     "gen_length": "int", "block_length": "int", "steps": "opt int", "threshold": "opt float",
     "factor": "opt float", "temperature": "float", "remasking": "str", "alg": "str", "alg_temp": "float",
     "top_p": "opt float", "top_k": "opt int", "cfg_scale": "float", "cache": "str", "anchor_ratio": "float",
@@ -306,9 +307,9 @@ class DecodeConfig:
 
     def replace(self, **overrides: Any) -> DecodeConfig:
         """A copy with these fields changed (validated); an unknown field name is an error."""
-        unknown = sorted(set(overrides) - set(_FIELD_KINDS))
+        unknown = sorted(set(overrides) - set(FIELD_KINDS))
         if unknown:
-            raise DecodeError(f"unknown decoding setting(s) {unknown}; known: {sorted(_FIELD_KINDS)}")
+            raise DecodeError(f"unknown decoding setting(s) {unknown}; known: {sorted(FIELD_KINDS)}")
         config = dataclasses.replace(self, **overrides)
         config.validate()
         return config
@@ -317,7 +318,7 @@ class DecodeConfig:
         def fail(msg):
             raise DecodeError(msg)
 
-        for name, kind in _FIELD_KINDS.items():
+        for name, kind in FIELD_KINDS.items():
             problem = _kind_error(name, getattr(self, name), kind)
             if problem:
                 fail(problem)

@@ -56,6 +56,14 @@ def request_texts(example: Example, placement: Placement) -> tuple[str, str]:
     return f"{USER} {_query(example)}\n{ASSISTANT}", ""
 
 
+def document_fields(example: Example) -> dict[str, str]:
+    """An example's texts as the fields of an lm-eval document, from which acache_jax.lm_eval's affix
+    mode lays out a request (query; infix: query_head, answer_prompt) and a few-shot example (query,
+    shot_answer) exactly as `affix_text` and `request_texts` do (the chat markers from the template)."""
+    return {"query": _query(example), "query_head": example.prompt.head(example.question),
+            "answer_prompt": example.prompt.back, "shot_answer": example.answer}
+
+
 def affix_ids(encode: Encode, shots: Sequence[Example], placement: Placement) -> list[int] | None:
     """The shared affix of these few-shot examples; None for the no-affix layout."""
     _check(placement)

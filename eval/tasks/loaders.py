@@ -18,7 +18,8 @@ from pathlib import Path
 from eval.tasks.base import BABI, GSM8K, MBPP, Example, exact_match, number_match
 
 
-def _records(path: str | Path) -> list[dict]:
+def read_records(path: str | Path) -> list[dict]:
+    """The records of a JSON Lines (.jsonl) or JSON (a list of objects) file, checked."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist")
@@ -47,7 +48,7 @@ def _field(record: dict, key: str, path: str | Path, n: int, kind: type = str):
 def load_gsm8k(path: str | Path) -> list[Example]:
     """GSM8K: {question, answer}; the answer's "#### N" becomes "The answer is N", calculator marks dropped."""
     out = []
-    for n, rec in enumerate(_records(path), 1):
+    for n, rec in enumerate(read_records(path), 1):
         question, answer = _field(rec, "question", path, n), _field(rec, "answer", path, n)
         if "####" not in answer:
             raise ValueError(f"{path}: record {n}: answer has no '#### N' final answer")
@@ -76,7 +77,7 @@ def passes_tests(generated: str, tests: tuple[str, ...], timeout: float = 10.0) 
 def load_mbpp(path: str | Path) -> list[Example]:
     """MBPP: {text, code, test_list[, test_setup_code]}; answers are "{code}\\n[DONE]"."""
     out = []
-    for n, rec in enumerate(_records(path), 1):
+    for n, rec in enumerate(read_records(path), 1):
         text, code = _field(rec, "text", path, n), _field(rec, "code", path, n)
         tests = _field(rec, "test_list", path, n, list)
         if not tests or not all(isinstance(t, str) for t in tests):
@@ -92,7 +93,7 @@ def load_mbpp(path: str | Path) -> list[Example]:
 def load_babilong(path: str | Path) -> list[Example]:
     """BABILong (e.g. 0k/qa1): {input (the story), question, target}; exact match on the target."""
     out = []
-    for n, rec in enumerate(_records(path), 1):
+    for n, rec in enumerate(read_records(path), 1):
         story, question = _field(rec, "input", path, n), _field(rec, "question", path, n)
         target = _field(rec, "target", path, n).strip()
         out.append(Example(f"Story:\n{story.strip()}\nQuestion: {question.strip()}", target,

@@ -1,0 +1,1 @@
+"""lm-eval task configurations (YAML) for --include_path, and their data loading and scoring (utils)."""
