@@ -52,12 +52,15 @@ def test_no_recompilation_in_steady_state(fixtures_dir):
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.2)
     engine = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=4)
     steps = (runner.packed_step, runner.block_loop)
+    shifted = lambda d: [Request([t + d for t in r.prompt], tail=r.tail, affix_position=r.affix_position, seed=9 + d)
+                         for r in reversed(REQUESTS[:4])]
+    # The first run grows the read-set widths to what this workload needs; the second runs every
+    # step at those widths.
     engine.generate(REQUESTS[:4], AFFIX)
+    engine.generate(shifted(1), AFFIX)
     compiled = [f._cache_size() for f in steps]
     # Different prompts of similar lengths and another arrival order: every shape was seen before.
-    again = [Request([t + 1 for t in r.prompt], tail=r.tail, affix_position=r.affix_position, seed=9)
-             for r in reversed(REQUESTS[:4])]
-    engine.generate(again, AFFIX)
+    engine.generate(shifted(2), AFFIX)
     assert [f._cache_size() for f in steps] == compiled
 
 

@@ -106,7 +106,7 @@ class Engine:
         num_blocks = -(-pool_tokens // block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_batch)
-        self.runner = Runner(model, config, num_blocks * block_size, profile)
+        self.runner = Runner(model, config, num_blocks * block_size, max_batch, profile)
         self.stats = EngineStats()
         self._affixes: dict[tuple[int, ...], list[int] | AffixCache] = {}
         self._held: dict[int, EngineResult] = {}  # finished during generate() but not asked for there

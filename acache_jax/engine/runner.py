@@ -186,14 +186,15 @@ class Timings:
 class Runner:
     """Owns the pool; turns plans into device inputs and runs them (see the module docstring)."""
 
-    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, profile: bool = False):
-        self.model, self.config = model, config
+    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, profile: bool = False):
+        self.model, self.config, self.max_batch = model, config, max_batch
         self.params, treedef = jax.tree.flatten(model.params)
         self.structure = structure(model.graphdef, treedef, model.config)
         self.pool = KVPool.zeros(model.config, num_slots, model.dtype)
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
         self.profile = profile
+        self.read_widths = [0, 0]  # per read set (private, shared): the widest so far
         self.timings = Timings()
         self.forward_tokens = 0  # tokens the forwards computed, padding excluded
         self.padded_tokens = 0  # tokens the forwards computed, padding included
@@ -223,9 +224,13 @@ class Runner:
             offsets[:len(plan.segments)] = [s.row.affix_start for s in plan.segments]
             sets.append((shared, offsets))
         keys = sum(np.asarray([len(x) for x in v]) for v, _ in sets)
-        return tuple(ReadSet(_rows(v, bucket(max(1, max(map(len, v), default=1))), n_rows, 0),
-                             np.asarray([len(x) for x in v] + [0] * (n_rows - len(v)), np.int32),
-                             off) for v, off in sets), keys
+        # Read-set widths only grow over the runner's life: the rows past a segment's length are
+        # never read, and a width that changed with every mix of requests would compile a program
+        # per mix.
+        for i, (v, _) in enumerate(sets):
+            self.read_widths[i] = max(self.read_widths[i], bucket(max(1, max(map(len, v), default=1))))
+        return tuple(ReadSet(_rows(v, w, n_rows, 0), np.asarray([len(x) for x in v] + [0] * (n_rows - len(v)), np.int32),
+                             off) for w, (v, off) in zip(self.read_widths, sets)), keys
 
     def _packed(self, plan: Plan, reads: tuple[ReadSet, ...], keys: np.ndarray, n_rows: int) -> PackedStep:
         cfg, mask_id = self.config, self.model.config.mask_token_id
@@ -256,7 +261,10 @@ class Runner:
             for t0 in range(0, len(cols), q):
                 tiles.append(np.arange(start + t0, start + min(t0 + q, len(cols))))
                 tile_segment.append(i)
-        n_tiles = -(-len(tiles) // 8) * 8
+        # As many tiles as any plan with this token bucket and row count can need (each segment adds
+        # at most one partial tile), so the tile count adds no program shapes of its own.
+        n_tiles = m // q + n_rows
+        assert len(tiles) <= n_tiles, (len(tiles), n_tiles)
         tile_rows = _rows(tiles, q, n_tiles, m)
         tile_seg = np.full(n_tiles, n_rows - 1, np.int32)
         tile_seg[:len(tile_segment)] = tile_segment
@@ -291,7 +299,10 @@ class Runner:
     def run(self, plan: Plan) -> StepOutput:
         """Run one iteration of the plan and return what the host must know."""
         cfg = self.config
-        n_rows = row_bucket(len(plan.segments)) + 1  # the last row stays empty
+        # Rows for max_batch segments whatever the plan holds (the last row stays empty): the
+        # packed step's program then depends on its token bucket alone. Spare rows cost only their
+        # block's logits, once per iteration.
+        n_rows = row_bucket(self.max_batch) + 1
         reads, keys = self._read_sets(plan, n_rows)
         step = jax.device_put(self._packed(plan, reads, keys, n_rows))  # built in numpy, copied in one call
         start = called = time.perf_counter()
