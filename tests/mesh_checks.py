@@ -5,6 +5,7 @@ which the pytest process, with jax imported and one device, cannot do). Each fai
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +20,8 @@ from acache_jax import Engine  # noqa: E402
 from acache_jax.config import DecodeConfig  # noqa: E402
 from acache_jax.decode import generate  # noqa: E402
 from acache_jax.layout import Request  # noqa: E402
-from acache_jax.sharding import MeshError, make_mesh, param_axes  # noqa: E402
+from acache_jax.config import ModelConfig  # noqa: E402
+from acache_jax.sharding import MeshError, check_mesh, make_mesh, param_axes  # noqa: E402
 from tests import hf_checkpoints  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "decode"
@@ -123,19 +125,28 @@ def check_loading(workdir: Path) -> None:
             assert message in str(e), e
         else:
             raise AssertionError(f"tp {tp} dp {dp} was accepted")
+    odd = ModelConfig.from_hf(hf_checkpoints.dream_config(hidden_size=48, num_attention_heads=6,
+                                                          num_key_value_heads=3, intermediate_size=96))
+    try:
+        check_mesh(make_mesh(2), odd)
+    except MeshError as e:
+        assert "must divide the model's 3 KV heads or be a multiple of them" in str(e), e
+    else:
+        raise AssertionError("2 devices for 3 KV heads was accepted")
     print("loading ok")
 
 
-# (family, cache, extra settings, meshes (tp, dp)): every policy, both families, tp 2/4 x dp 1/2.
+# (family, cache, extra settings, mesh (tp, dp)): every policy, both families, tp 2/4 x dp 1/2,
+# the Pallas kernels (interpreted) through shard_map and the jnp path through the partitioner.
 STATIC = [
-    ("llada", "dual", dict(temperature=0.7), [(2, 2), (4, 1)]),
-    ("llada", "prefix", dict(threshold=None, steps=8), [(4, 2)]),
-    ("llada", "acache", dict(anchor_ratio=0.3, selector="attention", attn_backend="pallas"), [(2, 2)]),
-    ("llada", "direct", dict(), [(2, 1)]),
-    ("dream", "dual", dict(threshold=None, steps=8), [(4, 2)]),
-    ("dream", "prefix", dict(), [(2, 2)]),
-    ("dream", "acache", dict(anchor_ratio=0.3, selector="hkvd"), [(4, 1), (2, 2)]),
-    ("dream", "direct", dict(attn_backend="pallas"), [(4, 2)]),
+    ("llada", "dual", dict(temperature=0.7), (2, 2)),
+    ("llada", "prefix", dict(threshold=None, steps=8), (4, 1)),
+    ("llada", "acache", dict(anchor_ratio=0.3, selector="attention", attn_backend="pallas"), (2, 2)),
+    ("llada", "direct", dict(), (2, 1)),
+    ("dream", "dual", dict(threshold=None, steps=8), (4, 2)),
+    ("dream", "prefix", dict(), (2, 2)),
+    ("dream", "acache", dict(anchor_ratio=0.3, selector="hkvd"), (4, 1)),
+    ("dream", "direct", dict(attn_backend="pallas"), (4, 2)),
 ]
 ENGINE = [
     ("llada", "acache", dict(anchor_ratio=0.3), (2, 2)),
@@ -150,7 +161,7 @@ def check_parity(workdir: Path, engine: bool) -> None:
     dirs = model_dirs(workdir)
     single = {f: acache_jax.load(d, dtype="float32") for f, d in dirs.items()}
     meshed = {}
-    cases = ENGINE if engine else [(f, c, x, m) for f, c, x, ms in STATIC for m in ms]
+    cases = ENGINE if engine else STATIC
     for family, cache, extra, (tp, dp) in cases:
         if (family, tp, dp) not in meshed:
             meshed[family, tp, dp] = acache_jax.load(dirs[family], dtype="float32", mesh=make_mesh(tp, dp))
@@ -170,8 +181,58 @@ def check_parity(workdir: Path, engine: bool) -> None:
         print("parity ok", "engine" if engine else "static", family, cache, f"tp {tp} dp {dp}")
 
 
+def collectives(text: str) -> list[tuple[str, str]]:
+    """(kind, result shape) of every collective in compiled HLO text."""
+    return re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                      text)
+
+
+def check_hlo(workdir: Path) -> None:
+    """Tensor parallelism compiles to Megatron's collectives: per layer one all-reduce after attention
+    and one after the MLP (+ one for the embedding lookup of the vocabulary-split table), and no
+    all-gather of a weight or of the pool; the sampler's max over the vocabulary-split logits
+    gathers only [rows, block, tp] partials."""
+    from acache_jax.engine import runner
+    from acache_jax.model import ForwardInputs, _jit_forward
+    from acache_jax.sharding import use_mesh
+
+    model = acache_jax.load(FIXTURES / "llada", dtype="float32", mesh=make_mesh(4))
+    layers = model.config.num_layers
+    whole = {tuple(leaf.shape) for _, leaf in nnx_leaves(model)}
+    with use_mesh(model.mesh):
+        tokens = jax.numpy.zeros((2, 16), jax.numpy.int32)
+        dense = _jit_forward.lower(model.graphdef, model.params, tokens,
+                                   ForwardInputs(jax.numpy.broadcast_to(jax.numpy.arange(16), (2, 16)))).compile()
+    found = collectives(dense.as_text())
+    assert [kind for _, kind in found] == ["all-reduce"] * (2 * layers + 1), found
+    for backend in ("xla",):  # the Pallas kernels' shard_map names the pool's split in its in_specs
+        cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, attn_backend=backend)
+        engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2)
+        compiled = []
+        step = runner.block_loop
+
+        def capture(*args):
+            compiled.append(step.lower(*args).compile().as_text())
+            return step(*args)
+
+        runner.block_loop = capture
+        try:
+            engine.generate(REQUESTS[:2], AFFIX)
+        finally:
+            runner.block_loop = step
+        pool_shape = tuple(engine.runner.pool.k[0].shape)
+        for text in compiled:
+            found = collectives(text)
+            kinds = [kind for _, kind in found]
+            assert kinds.count("all-reduce") >= 2 * layers + 1 and set(kinds) <= {"all-reduce", "all-gather"}, found
+            for shape, kind in found:
+                dims = tuple(int(d) for d in re.findall(r"\d+", shape.split("{")[0].split("[", 1)[-1]))
+                assert kind != "all-gather" or (dims[-1] == 4 and dims not in whole | {pool_shape}), (backend, found)
+    print("hlo ok")
+
+
 if __name__ == "__main__":
     group, workdir = sys.argv[1], Path(sys.argv[2])
     assert len(jax.devices()) == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
     {"loading": lambda: check_loading(workdir), "static": lambda: check_parity(workdir, engine=False),
-     "engine": lambda: check_parity(workdir, engine=True)}[group]()
+     "engine": lambda: check_parity(workdir, engine=True), "hlo": lambda: check_hlo(workdir)}[group]()
