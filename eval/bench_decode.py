@@ -125,6 +125,7 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
     cfg, bl, g = model.config, args.block, args.gen
     rng = np.random.default_rng(0)
     jobs = {}
+
     def full(params, ids, pos):
         idx = jnp.broadcast_to(pos.shape[1] - g + jnp.arange(bl), (ids.shape[0], bl))
         out = forward(model.graphdef, params, ids, ForwardInputs(pos, logit_index=idx), attn_backend=args.backend)
@@ -152,17 +153,18 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
                 ids = jnp.asarray(rng.integers(0, 126000, (b, t)), jnp.int32)
                 pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
                 kshape = (jax.ShapeDtypeStruct((b, t, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.num_layers
-                jobs[(label, "full", b, p)] = (jax.jit(full).lower(model.params, ids, pos), (model.params, ids, pos))
+                jobs[(label, "full", b, p)] = (jax.jit(full).lower(model.params, ids, pos),
+                                               (model.params, ids, pos))
                 bids, bpos = ids[:, p:p + bl], pos[:, p:p + bl]
                 kvalid = jnp.ones((b, t), bool).at[:, p:p + bl].set(False)
-                jobs[(label, "block", b, p)] = (jax.jit(block).lower(model.params, bids, bpos, kshape, kshape, pos, kvalid),
-                                         (model.params, bids, bpos, None, None, pos, kvalid))
+                lowered = jax.jit(block).lower(model.params, bids, bpos, kshape, kshape, pos, kvalid)
+                jobs[(label, "block", b, p)] = (lowered, (model.params, bids, bpos, None, None, pos, kvalid))
             for policy in policies:
                 dcfg = DecodeConfig(gen_length=g, block_length=bl, steps=args.steps, threshold=None, cache=policy,
                                     anchor_ratio=args.ratio, attn_backend=args.backend)
                 placement = "prefix" if affix_ids else None
                 reqs = [Request(rng.integers(0, 126000, p).tolist(), affix_position=placement, seed=i) for i in range(b)]
-                batch = place_rows(make_batch(reqs, g, cfg, affix_ids), mesh)
+                batch = place_rows(make_batch(reqs, g, cfg, affix_ids), model.mesh)
                 extra = ()
                 if dcfg.selective:
                     k = dcfg.anchors(args.affix)
@@ -170,8 +172,8 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
                                                   args.backend) if k else
                                jnp.zeros((b, 0), jnp.int32))
                     extra = (affix, anchors)
-                jobs[(label, policy, b, p)] = (decode_batch.lower(model.graphdef, cfg, model.params, batch, dcfg, *extra),
-                                        (model.params, batch, *extra))
+                lowered = decode_batch.lower(model.graphdef, cfg, model.params, batch, dcfg, *extra)
+                jobs[(label, policy, b, p)] = (lowered, (model.params, batch, *extra))
     return jobs
 
 

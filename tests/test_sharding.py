@@ -6,6 +6,7 @@ The subprocesses start together when the first test here asks for them and run s
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,8 +36,8 @@ def _env() -> dict[str, str]:
 def runs(tmp_path_factory):
     """Every check group and CLI run started at once; each test waits for its own."""
     work = tmp_path_factory.mktemp("mesh")
-    start = lambda args: subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True)
+    start = lambda args, **env: subprocess.Popen(args, cwd=ROOT, env=_env() | env, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.PIPE, text=True)
     procs = {g: start([sys.executable, "tests/mesh_checks.py", g, str(work / g)]) for g in GROUPS}
     cli = [sys.executable, "-m", "acache_jax.generate", "--model", str(LLADA), "--prompt-ids", "5,17,33,2,90",
            "--gen-length", "16", "--block-length", "8", "--cache", "dual", "--json", "--dtype", "float32"]
@@ -45,6 +46,11 @@ def runs(tmp_path_factory):
     procs["cli-engine"] = start(cli + ["--engine", "--tensor-parallel-size", "4", "--data-parallel-size", "2"])
     procs["cli-bad"] = start(cli + ["--tensor-parallel-size", "8", "--data-parallel-size", "2"])
     procs["cli-heads"] = start(cli + ["--tensor-parallel-size", "3"])
+    with socket.socket() as s:  # a free port for a one-process jax.distributed cluster
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs["cli-distributed"] = start(cli + ["--distributed", "--tensor-parallel-size", "2"],
+                                     JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0")
     yield procs
     for p in procs.values():
         p.kill()
@@ -64,12 +70,14 @@ def test_mesh_checks(runs, group):
 
 
 def test_cli_flags_give_the_same_tokens(runs):
+    """Static and engine on meshes, and --distributed on a one-process cluster: the one-device tokens."""
     rc, single, err = _wait(runs, "cli-single")
     assert rc == 0, err
-    for name in ("cli-static", "cli-engine"):
+    for name in ("cli-static", "cli-engine", "cli-distributed"):
         rc, out, err = _wait(runs, name)
         assert rc == 0, err
-        assert json.loads(out)["tokens"] == json.loads(single)["tokens"], name
+        # the last line: jax.distributed's CPU collectives (Gloo) print their connections on stdout
+        assert json.loads(out.splitlines()[-1])["tokens"] == json.loads(single)["tokens"], name
 
 
 def test_cli_bad_mesh_is_one_line(runs):
