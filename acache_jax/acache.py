@@ -24,6 +24,7 @@ from acache_jax.config import SELECTORS, ModelConfig
 from acache_jax.kv import AffixCache, read_set, rows_access
 from acache_jax.layout import Batch, RequestError, affix_token_ids
 from acache_jax.model import ForwardInputs, Model, forward
+from acache_jax.sharding import place_kv
 
 Selector = Literal["attention", "hkvd", "random", "bottom"]
 
@@ -40,7 +41,8 @@ def build_affix_cache(model: Model, affix_ids) -> AffixCache:
         raise RequestError(f"affix token ids outside the vocabulary [0, {model.config.vocab_size}): {bad[:5]}")
     tokens = jnp.asarray([ids], jnp.int32)
     out = model.forward(tokens, ForwardInputs(jnp.arange(len(ids), dtype=jnp.int32)[None]), with_logits=False)
-    return AffixCache(tuple(k[0] for k in out.k), tuple(v[0] for v in out.v), tokens[0], model.fingerprint)
+    cache = AffixCache(tuple(k[0] for k in out.k), tuple(v[0] for v in out.v), tokens[0], model.fingerprint)
+    return place_kv(cache, model.mesh)
 
 
 def check_affix_cache(model: Model, affix: AffixCache) -> None:

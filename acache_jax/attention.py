@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from acache_jax.config import ATTENTION_BACKENDS
 from acache_jax.kv import PoolAccess
+from acache_jax.sharding import KV_AXES, RULES, constrain_kv, model_axis_size, rows_axis
 from pallas_kernels import anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
 
 # Finite stand-in for -inf: a query whose keys are all invalid (a padding row) yields a uniform
@@ -64,6 +66,41 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) 
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, implementation="cudnn")
 
 
+def _gathered(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slots: jax.Array, lens: jax.Array,
+              backend: str) -> tuple[jax.Array, jax.Array]:
+    """`gathered_attention` (output, log-sum-exp). Under a mesh the Pallas kernel, which XLA cannot
+    split, runs per device over its own query and KV heads (shard_map); the jnp oracle is left to
+    the partitioner."""
+    attend = lambda *a: gathered_attention(*a, return_lse=True, backend=backend)
+    if backend == "xla" or model_axis_size() == 1:
+        return attend(q, k_pool, v_pool, slots, lens)
+    rows = rows_axis(q.shape[0])
+    heads, kv = P(rows, None, RULES.heads, None), RULES.spec(KV_AXES)
+    return jax.shard_map(attend, mesh=jax.sharding.get_abstract_mesh(), in_specs=(heads, kv, kv, P(rows), P(rows)),
+                         out_specs=(heads, P(rows, None, RULES.heads)), check_vma=False)(q, k_pool, v_pool, slots, lens)
+
+
+def _importance(q: jax.Array, k_pool: jax.Array, slots: jax.Array, lens: jax.Array, weights: jax.Array,
+                lse: jax.Array | None, backend: str) -> jax.Array:
+    """`anchor_importance`; under a mesh the Pallas kernel sums each device's heads, then the
+    devices' sums are added (one all-reduce of [rows, keys])."""
+    if backend == "xla" or model_axis_size() == 1:
+        return anchor_importance(q, k_pool, slots, lens, weights, backend=backend, lse=lse)
+    rows = rows_axis(q.shape[0])
+    heads, kv = P(rows, None, RULES.heads, None), RULES.spec(KV_AXES)
+    args, specs = [q, k_pool, slots, lens, weights], [heads, kv, P(rows), P(rows), P(rows)]
+    if lse is not None:
+        args.append(lse)
+        specs.append(P(rows, None, RULES.heads))
+
+    def local(q, k_pool, slots, lens, weights, lse=None):
+        part = anchor_importance(q, k_pool, slots, lens, weights, backend=backend, lse=lse)
+        return jax.lax.psum(part, RULES.heads)
+
+    return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=tuple(specs), out_specs=P(rows),
+                         check_vma=False)(*args)
+
+
 def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, valid: jax.Array,
                  rope_theta: float, backend: str | None = None) -> jax.Array:
     """Rows attending to their own tokens. q/k/v: [B, T, H, D] before RoPE; positions, valid: [B, T]."""
@@ -77,7 +114,7 @@ def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
     order = jnp.argsort(~valid, axis=1, stable=True)  # the kernel reads a row's first `lens` keys
     slots = (jnp.arange(b)[:, None] * t + order).astype(jnp.int32)
     pool = lambda a: a.reshape(b * t, *a.shape[2:])
-    return gathered_attention(q, pool(k), pool(v), slots, valid.sum(axis=1).astype(jnp.int32))
+    return _gathered(q, pool(k), pool(v), slots, valid.sum(axis=1).astype(jnp.int32), backend)[0]
 
 
 def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, access: PoolAccess, layer: int,
@@ -91,9 +128,10 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
     the softmax over that set's rows alone).
     """
     backend = _backend(backend, q.shape[-1])
-    pool_k = access.pool.k[layer].at[access.write_slots].set(
-        rope(k[None], positions[None], rope_theta)[0].astype(access.pool.k[layer].dtype), mode="drop")
-    pool_v = access.pool.v[layer].at[access.write_slots].set(v.astype(access.pool.v[layer].dtype), mode="drop")
+    pool_k = constrain_kv(access.pool.k[layer].at[access.write_slots].set(
+        rope(k[None], positions[None], rope_theta)[0].astype(access.pool.k[layer].dtype), mode="drop"))
+    pool_v = constrain_kv(access.pool.v[layer].at[access.write_slots].set(v.astype(access.pool.v[layer].dtype),
+                                                                          mode="drop"))
     m, hq, d = q.shape
     extend = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # index M: empty
     tile = lambda a: extend(a)[access.tiles]
@@ -112,14 +150,14 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
         out_tiles = cudnn_attention(q_own, jnp.concatenate(keys, 1), jnp.concatenate(values, 1),
                                     jnp.concatenate(valid, 1))
     else:
-        parts = [gathered_attention(tile(q_read), pool_k, pool_v, per_tile(rs.slots), per_tile(rs.lens),
-                                    return_lse=True, backend=backend) for q_read, rs in reads]
+        parts = [_gathered(tile(q_read), pool_k, pool_v, per_tile(rs.slots), per_tile(rs.lens), backend)
+                 for q_read, rs in reads]
         out_tiles = merge_partials(*map(list, zip(*parts)))
     if access.probe_weight is not None:  # the probed set's softmax, from its attention's log-sum-exp
         q_read, rs = reads[access.probe_read]
         lse = None if backend == "cudnn" else parts[access.probe_read][1]
-        scores = anchor_importance(tile(q_read), pool_k, per_tile(rs.slots), per_tile(rs.lens),
-                                   tile(access.probe_weight), backend="xla" if backend == "xla" else "pallas", lse=lse)
+        scores = _importance(tile(q_read), pool_k, per_tile(rs.slots), per_tile(rs.lens), tile(access.probe_weight),
+                             lse, "xla" if backend == "xla" else "pallas")
         importance = jax.ops.segment_sum(scores, access.tile_segment, num_segments=rs.slots.shape[0])
     out = jnp.zeros((m + 1, hq, d), q.dtype).at[access.tiles.reshape(-1)].set(out_tiles.reshape(-1, hq, d))
     return out[:m], pool_k, pool_v, importance

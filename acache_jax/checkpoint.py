@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
 from acache_jax.files import partial_name, remove_stale_partials
 from acache_jax.hf_checkpoint import NUMPY_DTYPES, CheckpointError, iter_params
 from acache_jax.model import Model, abstract_transformer
+from acache_jax.sharding import is_kv_projection, kv_copies, param_sharding, place_param, sharded_config
 from acache_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 FORMAT_FILE = "acache.json"
@@ -107,7 +109,9 @@ def save(
     return dst
 
 
-def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None) -> dict:
+def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:
+    """The stored parameters; on a mesh each leaf is restored straight into its shards (leaves whose
+    KV heads are copied come to host memory first, to be copied and placed)."""
     import orbax.checkpoint as ocp
 
     marker = read_json(path / FORMAT_FILE)
@@ -118,7 +122,17 @@ def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None) -> dict:
     dtype = DTYPES[_dtype_name(stored if dtype is None else dtype)]
     _, abstract = nnx.split(abstract_transformer(cfg, DTYPES[stored]))
     target = _nest(_flatten(nnx.to_pure_dict(abstract)))
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), target)
+    copies = 1 if mesh is None else kv_copies(cfg, mesh.shape["model"])
+
+    def leaf_target(leaf_path, a):
+        keys = tuple(k.key for k in leaf_path)
+        if mesh is None:
+            return jax.ShapeDtypeStruct(a.shape, a.dtype)
+        if copies > 1 and is_kv_projection(keys):
+            return np.empty(a.shape, a.dtype)  # restored to host memory, then copied and placed
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=param_sharding(mesh, keys))
+
+    target = jax.tree_util.tree_map_with_path(leaf_target, target)
     # The files the write left (sizes recorded in acache.json): a damaged directory is named here,
     # before orbax, whose failures come as pages of TensorStore text and event-loop tracebacks.
     damaged = [name for name, size in marker.get("files", {}).items()
@@ -132,7 +146,8 @@ def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None) -> dict:
     except Exception as e:  # orbax raises many kinds (NOT_FOUND, ValueError, KeyError, ...) with long texts
         raise CheckpointError(f"cannot restore the parameters in {path / 'params'}: files missing or damaged "
                               f"({type(e).__name__}); convert the model again") from None
-    return jax.tree.map(lambda a: jnp.asarray(a, dtype), _unstring_layers(tree))
+    place = _placer(cfg, mesh)
+    return _unstring_layers(_nest((p, place(p, a.astype(dtype))) for p, a in _flatten(tree)))
 
 
 def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
@@ -145,12 +160,20 @@ def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _read_hf(path: Path, cfg: ModelConfig, dtype: Any | None) -> dict:
+def _placer(cfg: ModelConfig, mesh: Mesh | None) -> Callable[[tuple, Any], jax.Array]:
+    """Where a loaded leaf goes: the default device, or (on a mesh) its shards, straight from the host."""
+    if mesh is None:
+        return lambda path, a: jnp.asarray(a)
+    return lambda path, a: a if isinstance(a, jax.Array) else place_param(path, a, cfg, mesh)
+
+
+def _read_hf(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:
     if dtype is None:
         torch_dtype = read_json(path / "config.json").get("torch_dtype")
         dtype = "bfloat16" if torch_dtype == "bfloat16" else "float32"
     params = iter_params(path, cfg, NUMPY_DTYPES[_dtype_name(dtype)], progress(f"loading {path.name}"))
-    return _unstring_layers(_nest((p, jnp.asarray(a)) for p, a in params))
+    place = _placer(cfg, mesh)
+    return _unstring_layers(_nest((p, place(p, a)) for p, a in params))
 
 
 def progress(desc: str):
@@ -171,10 +194,14 @@ def _check_finite(tree: dict) -> None:
                               f"{f' and {len(bad) - 5} more' if len(bad) > 5 else ''} (a damaged checkpoint?)")
 
 
-def load(path: str | Path, dtype: Any | None = None) -> Model:
+def load(path: str | Path, dtype: Any | None = None, mesh: Mesh | None = None) -> Model:
     """Load a model from a converted checkpoint or an HF LLaDA/Dream snapshot directory.
 
     dtype: "float32" or "bfloat16" (or the jnp dtype); default: the dtype the weights are stored in.
+    mesh: a (data, model) mesh (`acache_jax.sharding.make_mesh`) to split the model over; each
+    tensor goes from the host straight to its shards as it is read (no device ever holds a whole
+    split tensor), and every entry point then runs the model on the mesh. With fewer KV heads
+    than the tensor-parallel size, the KV heads are copied (acache_jax/sharding.py).
     An HF directory is converted in memory, one tensor at a time. The directory's
     generation_config.json (if any) becomes the model's generation defaults.
     """
@@ -189,9 +216,10 @@ def load(path: str | Path, dtype: Any | None = None) -> Model:
         except (TypeError, ValueError):
             raise InputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}") from None
     cfg = ModelConfig.from_file(path)
+    placed_cfg = sharded_config(cfg, mesh)  # checks the mesh before anything is read
     generation, eos_ids = read_generation_config(path, cfg)
-    tree = _restore_converted(path, cfg, dtype) if is_converted(path) else _read_hf(path, cfg, dtype)
+    tree = _restore_converted(path, cfg, dtype, mesh) if is_converted(path) else _read_hf(path, cfg, dtype, mesh)
     _check_finite(tree)
-    graphdef, state = nnx.split(abstract_transformer(cfg, tree["embed"].dtype))
+    graphdef, state = nnx.split(abstract_transformer(placed_cfg, tree["embed"].dtype))
     nnx.replace_by_pure_dict(state, tree)
-    return Model(cfg, graphdef, state, load_tokenizer(path), generation, eos_ids)
+    return Model(placed_cfg, graphdef, state, load_tokenizer(path), generation, eos_ids, mesh)

@@ -31,6 +31,7 @@ from acache_jax.layout import Batch, Request, affix_token_ids, as_requests, chec
 from acache_jax.kv import AffixCache, KVPool, flat_index, read_set, rows_access
 from acache_jax.model import ForwardInputs, Model
 from acache_jax.model import forward as model_forward
+from acache_jax.sharding import constrain_kv, place_rows, use_mesh
 
 
 @dataclasses.dataclass
@@ -126,6 +127,7 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
     else:
         reads = (read_set(row_ids * t + col, dup(batch.valid), zero),)
         pool0 = KVPool.zeros(mcfg, rows * t, params["embed"][...].dtype)
+    pool0 = jax.tree.map(constrain_kv, pool0)  # split by KV head under a mesh, as every write keeps it
 
     def block_start(x, pool, s, idx):
         """Forward at a block start: (logits for the block, the pool, tokens computed per row)."""
@@ -254,15 +256,17 @@ def generate(
     probe_forwards = config.selector in ("attention", "bottom", "hkvd") and k > 0
     for chunk in chunks:
         start = time.perf_counter()
-        batch = make_batch([requests[i] for i in chunk], config.gen_length, model.config, affix_ids)
-        if config.selective:
-            anchors = (select_anchors_jit(model.graphdef, model.config, model.params, batch, cache, k, config.selector,
-                                          config.attn_backend)
-                       if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
-            result = decode_batch(model.graphdef, model.config, model.params, batch, config, cache, anchors)
-        else:
-            anchors, result = None, decode_batch(model.graphdef, model.config, model.params, batch, config)
-        (out, stats), anchors = jax.device_get((result, anchors))
+        batch = place_rows(make_batch([requests[i] for i in chunk], config.gen_length, model.config, affix_ids),
+                           model.mesh)
+        with use_mesh(model.mesh):
+            if config.selective:
+                anchors = (select_anchors_jit(model.graphdef, model.config, model.params, batch, cache, k,
+                                              config.selector, config.attn_backend)
+                           if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
+                result = decode_batch(model.graphdef, model.config, model.params, batch, config, cache, anchors)
+            else:
+                anchors, result = None, decode_batch(model.graphdef, model.config, model.params, batch, config)
+            (out, stats), anchors = jax.device_get((result, anchors))
         elapsed = time.perf_counter() - start
         g0 = batch.gen_start
         row_nfe, row_tokens, batch_calls = np.asarray(stats.nfe), np.asarray(stats.forward_tokens), int(stats.calls)

@@ -24,6 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from jax.sharding import Mesh
+
 from acache_jax.acache import AffixCache, build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ATTENTION_BACKENDS, CACHE_POLICIES, SELECTORS, DecodeConfig, InputError
@@ -32,6 +34,7 @@ from acache_jax.engine import Engine
 from acache_jax.engine.engine import check_engine_config
 from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_request, token_ids
 from acache_jax.model import Model
+from acache_jax.sharding import initialize_distributed, make_mesh
 
 # The shipped LLaDA-architecture model (acache_jax/models/README.md); used when --model is not given.
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "llada-small"
@@ -116,7 +119,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-tokens", type=_positive, default=None,
                    help="engine: KV pool size in tokens (default: batch size x the model's context)")
     p.add_argument("--json", action="store_true", help="one JSON object per request: tokens, text, nfe, seconds")
+    p.add_argument("--tensor-parallel-size", type=_positive, default=None,
+                   help="split the model over this many devices (attention heads, MLP, vocabulary); default 1")
+    p.add_argument("--data-parallel-size", type=_positive, default=None,
+                   help="copies of the model, each running part of every batch; default 1")
+    p.add_argument("--distributed", action="store_true",
+                   help="several hosts: jax.distributed.initialize from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                        "JAX_PROCESS_ID (or SLURM / Open MPI); run the same command on every host")
     return p
+
+
+def _mesh(args: argparse.Namespace) -> Mesh | None:
+    """The device mesh the flags ask for (None when neither size is given: no mesh)."""
+    if args.tensor_parallel_size is None and args.data_parallel_size is None:
+        return None
+    return make_mesh(args.tensor_parallel_size or 1, args.data_parallel_size or 1)
 
 
 def _lines(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
@@ -314,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is None and not DEFAULT_MODEL.is_dir():
             raise InputError("no --model given and no default model is shipped with this installation; "
                              "pass --model DIR (an HF LLaDA/Dream snapshot or a converted checkpoint)")
-        model = load(args.model or DEFAULT_MODEL, dtype=args.dtype)
+        if args.distributed:
+            initialize_distributed()
+        model = load(args.model or DEFAULT_MODEL, dtype=args.dtype, mesh=_mesh(args))
         jobs = _jobs(model, args)
         out = _Output(model, args.json)
         if args.engine:

@@ -19,7 +19,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax.sharding import Mesh
+
 from acache_jax.config import ModelConfig
+from acache_jax.sharding import kv_sharding
 from pallas_kernels import rope
 
 
@@ -32,9 +35,11 @@ class KVPool:
     v: tuple[jax.Array, ...]  # layers x [num_slots, kv_heads, head_dim]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, num_slots: int, dtype: Any) -> KVPool:
+    def zeros(cls, cfg: ModelConfig, num_slots: int, dtype: Any, mesh: Mesh | None = None) -> KVPool:
+        """An empty pool; on a mesh, created split by KV head (never whole on one device)."""
         shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
-        return cls(*(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)) for _ in range(2)))
+        device = None if mesh is None else kv_sharding(mesh)
+        return cls(*(tuple(jnp.zeros(shape, dtype, device=device) for _ in range(cfg.num_layers)) for _ in range(2)))
 
     @classmethod
     def from_rows(cls, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], positions: jax.Array,

@@ -18,10 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from acache_jax.attention import attend_dense, attend_pool
 from acache_jax.config import DecodeConfig, InputError, ModelConfig
 from acache_jax.kv import KVPool, PoolAccess
+from acache_jax.sharding import use_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -219,6 +221,7 @@ class Model:
     tokenizer: Any = None
     generation_config: DecodeConfig = DecodeConfig()
     eos_token_ids: tuple[int, ...] = ()  # from generation_config.json; config.json's eos always counts
+    mesh: Mesh | None = None  # the (data, model) mesh the weights are split over (acache_jax/sharding.py)
 
     @classmethod
     def from_module(cls, module: Transformer, tokenizer: Any = None,
@@ -279,7 +282,8 @@ class Model:
 
     def forward(self, token_ids: jax.Array, inputs: ForwardInputs, **kwargs: Any) -> ForwardOutput:
         """`forward` with this model's weights, jitted (static keywords: with_logits, attn_backend)."""
-        return _jit_forward(self.graphdef, self.params, token_ids, inputs, **kwargs)
+        with use_mesh(self.mesh):
+            return _jit_forward(self.graphdef, self.params, token_ids, inputs, **kwargs)
 
     def logits(self, token_ids: jax.Array) -> jax.Array:
         """Logits [B, T, V] float32 predicting every position of `token_ids` [B, T] under full

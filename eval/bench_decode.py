@@ -1,6 +1,6 @@
 """Decoding speed at LLaDA-8B shape with random bf16 weights: per-call forwards and end-to-end policies.
 
-    python -m eval.bench_decode [--layers 32] [--batches 1,4,16] [--prompts 300,500,900] [--out DIR]
+    python -m eval.bench_decode [--layers 32] [--batches 1,4,16] [--prompts 300,500,900] [--meshes none,1x1] [--out DIR]
 
 1. Per call: the block-start full forward (T = prompt + 256 tokens, logits for one 32-token block,
    K/V of every position returned) and the dual-cache in-block forward (32 tokens against a cached
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from acache_jax.acache import build_affix_cache, select_anchors_jit
 from acache_jax.attention import cudnn_attention, dense_attention
@@ -35,6 +36,7 @@ from acache_jax.layout import Request, make_batch
 from acache_jax.kv import KVPool, read_set, rows_access
 from acache_jax.model import ForwardInputs, Model, abstract_transformer, forward
 from acache_jax.files import write_atomic
+from acache_jax.sharding import make_mesh, param_sharding, place_rows, sharded_config, use_mesh
 
 PEAK_TFLOPS = 800.0  # bf16 dense matmul measured on one H200 (8192^3 product, random data)
 
@@ -46,19 +48,44 @@ def llada_8b(layers: int) -> ModelConfig:
                        eos_token_id=126081, pad_token_id=126081)
 
 
-def random_model(cfg: ModelConfig, seed: int = 0) -> Model:
+def random_model(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None) -> Model:
     """Random bf16 weights made on the device (std 0.02, norms 1), one small program per distinct
-    shape: a single program for every tensor of an 8B model takes minutes to compile."""
+    shape: a single program for every tensor of an 8B model takes minutes to compile. On a mesh,
+    each tensor is made in its shards, as `acache_jax.load(..., mesh=)` places them."""
+    cfg = sharded_config(cfg, mesh)
     graphdef, abstract = nnx.split(abstract_transformer(cfg, jnp.bfloat16))
-    leaves, treedef = jax.tree.flatten(abstract)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    params = [jnp.ones(a.shape, a.dtype) if a.ndim == 1 else _normal(k, a.shape, a.dtype) for k, a in zip(keys, leaves)]
-    return Model(cfg, graphdef, jax.tree.unflatten(treedef, params))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))
+    keys = jax.random.split(jax.random.key(seed), len(paths))
+    params = []
+    for key, (path, a) in zip(keys, paths):
+        sharding = None if mesh is None else param_sharding(mesh, tuple(k.key for k in path))
+        params.append(_ones(a.shape, a.dtype, sharding) if a.ndim == 1 else _normal(key, a.shape, a.dtype, sharding))
+    nnx.replace_by_pure_dict(abstract, jax.tree.unflatten(treedef, params))
+    return Model(cfg, graphdef, abstract, mesh=mesh)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def _normal(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _ones(shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    x = jnp.ones(shape, dtype)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype, sharding) -> jax.Array:
+    x = (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
+def parse_meshes(text: str) -> dict[str, Mesh | None]:
+    """`none,1x1,2x1`: no mesh, and meshes of tensor-parallel x data-parallel devices, by label."""
+    out = {}
+    for part in text.split(","):
+        if part == "none":
+            out[part] = None
+        else:
+            tp, dp = (int(x) for x in part.split("x"))
+            out[f"tp{tp}dp{dp}"] = make_mesh(tp, dp)
+    return out
 
 
 def forward_flops(cfg: ModelConfig, batch: int, tq: int, tk: int, logit_tokens: int) -> float:
@@ -91,32 +118,13 @@ def check_attention_backends() -> str:
     return f"cudnn vs jnp oracle: relative L2 error {err:.2e}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--batches", default="1,4,16")
-    parser.add_argument("--prompts", default="300,500,900")
-    parser.add_argument("--policies", default="none,prefix,dual")
-    parser.add_argument("--gen", type=int, default=256)
-    parser.add_argument("--block", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=32, help="fixed schedule: gen/steps tokens per forward")
-    parser.add_argument("--backend", default="cudnn")
-    parser.add_argument("--threads", type=int, default=8, help="parallel compilations")
-    parser.add_argument("--affix", type=int, default=0, help="tokens of a shared prefix affix (0: none)")
-    parser.add_argument("--ratio", type=float, default=0.2, help="acache anchor ratio")
-    parser.add_argument("--per-call", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    batches = [int(x) for x in args.batches.split(",")]
-    prompts = [int(x) for x in args.prompts.split(",")]
-    policies = args.policies.split(",")
-    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-    if args.backend == "cudnn":
-        print(check_attention_backends(), flush=True)
-    cfg = llada_8b(args.layers)
-    model = random_model(cfg)
-    print(f"model: {cfg.num_params / 1e9:.2f} B parameters (bf16)", flush=True)
-    bl, g = args.block, args.gen
+def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list[int], prompts: list[int],
+               policies: list[str]) -> dict:
+    """(label, kind, batch, prompt) -> (lowered program, its inputs) of every case on `model`
+    (under its mesh, if any); the same random inputs under every label."""
+    cfg, bl, g = model.config, args.block, args.gen
+    rng = np.random.default_rng(0)
+    jobs = {}
 
     def full(params, ids, pos):
         idx = jnp.broadcast_to(pos.shape[1] - g + jnp.arange(bl), (ids.shape[0], bl))
@@ -136,8 +144,6 @@ def main() -> None:
         return forward(model.graphdef, params, ids.reshape(-1), inputs, attn_backend=args.backend).logits
 
     # ---- lower everything, compile in parallel ----
-    jobs = {}
-    rng = np.random.default_rng(0)
     affix_ids = rng.integers(0, 126000, args.affix).tolist() if args.affix else None
     affix = build_affix_cache(model, affix_ids) if affix_ids else None
     for b in batches:
@@ -147,17 +153,18 @@ def main() -> None:
                 ids = jnp.asarray(rng.integers(0, 126000, (b, t)), jnp.int32)
                 pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
                 kshape = (jax.ShapeDtypeStruct((b, t, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.num_layers
-                jobs[("full", b, p)] = (jax.jit(full).lower(model.params, ids, pos), (model.params, ids, pos))
+                jobs[(label, "full", b, p)] = (jax.jit(full).lower(model.params, ids, pos),
+                                               (model.params, ids, pos))
                 bids, bpos = ids[:, p:p + bl], pos[:, p:p + bl]
                 kvalid = jnp.ones((b, t), bool).at[:, p:p + bl].set(False)
-                jobs[("block", b, p)] = (jax.jit(block).lower(model.params, bids, bpos, kshape, kshape, pos, kvalid),
-                                         (model.params, bids, bpos, None, None, pos, kvalid))
+                lowered = jax.jit(block).lower(model.params, bids, bpos, kshape, kshape, pos, kvalid)
+                jobs[(label, "block", b, p)] = (lowered, (model.params, bids, bpos, None, None, pos, kvalid))
             for policy in policies:
                 dcfg = DecodeConfig(gen_length=g, block_length=bl, steps=args.steps, threshold=None, cache=policy,
                                     anchor_ratio=args.ratio, attn_backend=args.backend)
                 placement = "prefix" if affix_ids else None
                 reqs = [Request(rng.integers(0, 126000, p).tolist(), affix_position=placement, seed=i) for i in range(b)]
-                batch = make_batch(reqs, g, cfg, affix_ids)
+                batch = place_rows(make_batch(reqs, g, cfg, affix_ids), model.mesh)
                 extra = ()
                 if dcfg.selective:
                     k = dcfg.anchors(args.affix)
@@ -165,17 +172,52 @@ def main() -> None:
                                                   args.backend) if k else
                                jnp.zeros((b, 0), jnp.int32))
                     extra = (affix, anchors)
-                jobs[(policy, b, p)] = (decode_batch.lower(model.graphdef, cfg, model.params, batch, dcfg, *extra),
-                                        (model.params, batch, *extra))
+                lowered = decode_batch.lower(model.graphdef, cfg, model.params, batch, dcfg, *extra)
+                jobs[(label, policy, b, p)] = (lowered, (model.params, batch, *extra))
+    return jobs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batches", default="1,4,16")
+    parser.add_argument("--prompts", default="300,500,900")
+    parser.add_argument("--policies", default="none,prefix,dual")
+    parser.add_argument("--gen", type=int, default=256)
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=32, help="fixed schedule: gen/steps tokens per forward")
+    parser.add_argument("--backend", default="cudnn")
+    parser.add_argument("--threads", type=int, default=8, help="parallel compilations")
+    parser.add_argument("--affix", type=int, default=0, help="tokens of a shared prefix affix (0: none)")
+    parser.add_argument("--ratio", type=float, default=0.2, help="acache anchor ratio")
+    parser.add_argument("--per-call", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--meshes", default="none", type=parse_meshes,
+                        help="each case under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    batches = [int(x) for x in args.batches.split(",")]
+    prompts = [int(x) for x in args.prompts.split(",")]
+    policies = args.policies.split(",")
+    print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    if args.backend == "cudnn":
+        print(check_attention_backends(), flush=True)
+    cfg = llada_8b(args.layers)
+    print(f"model: {cfg.num_params / 1e9:.2f} B parameters (bf16)", flush=True)
+    bl, g = args.block, args.gen
+    jobs = {}
+    for label, mesh in args.meshes.items():
+        model = random_model(cfg, mesh=mesh)
+        with use_mesh(mesh):
+            jobs |= lower_jobs(model, label, args, batches, prompts, policies)
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
         compiled = dict(zip(jobs, pool.map(lambda lowered: lowered.compile(), [j[0] for j in jobs.values()])))
     print(f"compiled {len(jobs)} programs in {time.perf_counter() - start:.0f} s", flush=True)
 
     results = []
-    for (kind, b, p), exe in compiled.items():
+    for (label, kind, b, p), exe in compiled.items():
         t = p + g + args.affix
-        inputs = jobs[(kind, b, p)][1]
+        inputs = jobs[(label, kind, b, p)][1]
         if kind == "full":
             sec = median_seconds(exe, *inputs)
             flops = forward_flops(cfg, b, t, t, bl)
@@ -197,17 +239,17 @@ def main() -> None:
             nfe_tokens = int(np.asarray(stats.forward_tokens).sum())
             # FLOPs: each forward's tokens through the projections/MLP (attention and LM head omitted: a lower bound)
             flops = forward_flops(cfg, 1, 1, 0, 0) * nfe_tokens
-        row = dict(kind=kind, batch=b, prompt=p, seconds=sec, tflops=flops / sec / 1e12)
+        row = dict(mesh=label, kind=kind, batch=b, prompt=p, seconds=sec, tflops=flops / sec / 1e12)
         row["mfu"] = row["tflops"] / PEAK_TFLOPS
         if kind not in ("full", "block"):
             row.update(tokens_per_s=b * g / sec, nfe=calls)
         results.append(row)
         print(json.dumps(row), flush=True)
 
-    print("\n| kind | batch | prompt | ms | TFLOP/s | MFU | tokens/s | NFE |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['kind']} | {r['batch']} | {r['prompt']} | {1e3 * r['seconds']:.1f} | {r['tflops']:.0f} | "
+    print("\n| mesh | kind | batch | prompt | ms | TFLOP/s | MFU | tokens/s | NFE |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in sorted(results, key=lambda r: (r["kind"], r["batch"], r["prompt"])):  # the meshes of a case side by side
+        print(f"| {r['mesh']} | {r['kind']} | {r['batch']} | {r['prompt']} | {1e3 * r['seconds']:.1f} | {r['tflops']:.0f} | "
               f"{r['mfu']:.2f} | {r.get('tokens_per_s', float('nan')):.0f} | {r.get('nfe', '')} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """The serving engine, Fast-dLLM dual-cache baseline vs ACache side by side (the paper's tables 1-4).
 
-    python -m eval.bench_engine [--models llada,dream] [--batches 1,4,16] [--shots 1,2,4] [--out DIR]
+    python -m eval.bench_engine [--models llada,dream] [--batches 1,4,16] [--shots 1,2,4] [--meshes none,1x1] [--out DIR]
 
 LLaDA-8B and Dream-7B shapes with random bf16 weights; per (model, shots, batch) both policies
 decode the same requests with the same weights: `batch` requests of a shared prefix affix of
@@ -31,7 +31,7 @@ from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.engine import Engine
 from acache_jax.layout import Request
 from acache_jax.files import write_atomic
-from eval.bench_decode import PEAK_TFLOPS, llada_8b, random_model
+from eval.bench_decode import PEAK_TFLOPS, llada_8b, parse_meshes, random_model
 
 SHOT_TOKENS = 230
 QUESTION_TOKENS = 80
@@ -149,12 +149,15 @@ def main(argv=None) -> None:
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new cases after this")
     ap.add_argument("--compile-threads", type=int, default=8, help="cases compiled in parallel before timing")
     ap.add_argument("--compile-s", type=float, default=None, help="time for compiling (default: half the budget)")
+    ap.add_argument("--meshes", default="none", type=parse_meshes,
+                    help="each model under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1 (rows model@tp1dp1)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     start = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     shapes = {"llada": lambda n: llada_8b(n or 32), "dream": lambda n: dream_7b(n or 28)}
-    models = {name: random_model(shapes[name](args.layers)) for name in args.models.split(",")}
+    models = {name if label == "none" else f"{name}@{label}": random_model(shapes[name](args.layers), mesh=mesh)
+              for name in args.models.split(",") for label, mesh in args.meshes.items()}
     cases = [(name, shots, batch) for shots in args.shots for batch in args.batches for name in models]
     # Compile every case first, in parallel threads (compilation is host work); then time the cases
     # one at a time, so no timed run shares the GPU. Cases not compiled by half the budget are left out.

@@ -29,6 +29,7 @@ from acache_jax.engine.scheduler import Scheduler
 from acache_jax.engine.sequence import SequenceState
 from acache_jax.layout import Request, affix_token_ids, check_requests
 from acache_jax.model import Model
+from acache_jax.sharding import use_mesh
 
 ENGINE_POLICIES = {"dual": "baseline", "acache": "acache", "direct": "acache"}
 
@@ -186,6 +187,10 @@ class Engine:
 
     def step(self) -> list[EngineResult]:
         """schedule -> run -> postprocess; returns the requests that finished."""
+        with use_mesh(self.model.mesh):
+            return self._step()
+
+    def _step(self) -> list[EngineResult]:
         start = time.perf_counter()
         mcfg = self.model.config
         plan = self.scheduler.schedule(mcfg.mask_token_id)

@@ -190,7 +190,7 @@ class Runner:
         self.model, self.config, self.max_batch = model, config, max_batch
         self.params, treedef = jax.tree.flatten(model.params)
         self.structure = structure(model.graphdef, treedef, model.config)
-        self.pool = KVPool.zeros(model.config, num_slots, model.dtype)
+        self.pool = KVPool.zeros(model.config, num_slots, model.dtype, model.mesh)
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
         self.profile = profile

@@ -1,0 +1,226 @@
+"""Tensor and data parallelism over a device mesh: the mesh, and where each array lives on it.
+
+The mesh has two axes, `data` (copies of the weights, each running part of the batch) and
+`model` (each device holds a slice of every weight: Megatron-style tensor parallelism, left to
+XLA's SPMD partitioner). Which mesh axis each logical axis of an array uses is said once, in
+`ShardingRules`; parameters, KV pools and affix caches declare their logical axes here, so that
+changing the parallel strategy means changing the rules, not the model.
+
+KV heads are split over `model` with the query heads they serve. When a model has fewer KV heads
+than the tensor-parallel size (GQA, e.g. Dream-7B's 4 on 8 devices), each KV head is stored
+`tp / kv_heads` times, one copy per device that needs it (as vLLM does): the loaded model's
+`config.num_kv_heads` becomes tp, its K/V projections hold the copies side by side, and query
+head h still reads a copy of KV head h // (num_heads / kv_heads) of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from acache_jax.config import ConfigError, InputError, ModelConfig
+
+MESH_AXES = ("data", "model")
+
+
+class MeshError(ConfigError):
+    """A mesh this model or these devices cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """The mesh axis of each logical axis (None: replicated).
+
+    q/k/v are split by head and the MLP's gate/up by hidden unit (column-parallel), o and down on
+    their input (row-parallel): each layer needs one all-reduce after attention and one after the
+    MLP, and attention itself is local to a device's heads. The vocabulary is split in the
+    embedding table and the LM head (logits come out split by vocabulary). Pool slots are not
+    split: any request may read any slot, and a slot of the static path's pool belongs to no
+    fixed batch shard (the affix rows are shared by every row).
+    """
+
+    batch: str | None = "data"
+    heads: str | None = "model"
+    kv_heads: str | None = "model"
+    mlp: str | None = "model"
+    vocab: str | None = "model"
+    embed: str | None = None
+    head_dim: str | None = None
+    slots: str | None = None
+
+    def spec(self, axes: Sequence[str | None]) -> P:
+        return P(*(None if a is None else getattr(self, a) for a in axes))
+
+
+RULES = ShardingRules()
+
+# Logical axes of each parameter, by (module, leaf) name; kernels are [in, out].
+PARAM_AXES = {
+    ("q", "kernel"): ("embed", "heads"), ("q", "bias"): ("heads",),
+    ("k", "kernel"): ("embed", "kv_heads"), ("k", "bias"): ("kv_heads",),
+    ("v", "kernel"): ("embed", "kv_heads"), ("v", "bias"): ("kv_heads",),
+    ("o", "kernel"): ("heads", "embed"),
+    ("gate", "kernel"): ("embed", "mlp"), ("up", "kernel"): ("embed", "mlp"), ("down", "kernel"): ("mlp", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+}
+EMBED_AXES = ("vocab", "embed")  # the embedding table
+NORM_AXES = ("embed",)
+KV_AXES = ("slots", "kv_heads", "head_dim")  # a pool's or an affix cache's rows, per layer
+ROWS_AXES = ("batch",)  # the leading axis of a static batch's arrays
+
+
+def param_axes(path: Sequence[Any]) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at `path` (e.g. ("layers", 0, "attn", "q", "kernel"))."""
+    names = tuple(str(p) for p in path)
+    if names == ("embed",):
+        return EMBED_AXES
+    if names[-1] == "weight":  # RMSNorm
+        return NORM_AXES
+    return PARAM_AXES[names[-2:]]
+
+
+def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, model) mesh over the first tensor_parallel x data_parallel devices (default: all of
+    jax.devices(), every host's): neighbouring devices form a model group, as NVLink wants."""
+    for name, n in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel)):
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise MeshError(f"{name} must be a positive integer, got {n!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    wanted = tensor_parallel * data_parallel
+    if wanted > len(devices):
+        raise MeshError(f"tensor parallel {tensor_parallel} x data parallel {data_parallel} = {wanted} devices, "
+                        f"but only {len(devices)} are present")
+    grid = np.asarray(devices[:wanted], dtype=object).reshape(data_parallel, tensor_parallel)
+    return Mesh(grid, MESH_AXES)
+
+
+def tensor_parallel_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape["model"]
+
+
+def kv_copies(cfg: ModelConfig, tp: int) -> int:
+    """How many times each KV head is stored so that `tp` devices each hold whole KV heads."""
+    return max(1, tp // cfg.num_kv_heads)
+
+
+def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
+    """One clear error for a mesh the model cannot be split over."""
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise MeshError(f"the mesh must have axes {MESH_AXES} (acache_jax.sharding.make_mesh), got {mesh.axis_names}")
+    tp = tensor_parallel_size(mesh)
+    sizes = (("attention heads", cfg.num_heads), ("MLP hidden size", cfg.intermediate_size),
+             ("vocabulary", cfg.vocab_size))
+    for what, n in sizes:
+        if n % tp:
+            raise MeshError(f"tensor parallel size {tp} does not divide the model's {what} ({n})")
+    kv = cfg.num_kv_heads
+    if kv % tp and tp % kv:
+        raise MeshError(f"tensor parallel size {tp} must divide the model's {kv} KV heads or be a multiple of them")
+
+
+def sharded_config(cfg: ModelConfig, mesh: Mesh | None) -> ModelConfig:
+    """The config of the model as placed on `mesh`: with its KV heads stored `kv_copies` times."""
+    if mesh is None:
+        return cfg
+    check_mesh(mesh, cfg)
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv_copies(cfg, tensor_parallel_size(mesh)))
+
+
+def param_sharding(mesh: Mesh, path: Sequence[Any]) -> NamedSharding:
+    return NamedSharding(mesh, RULES.spec(param_axes(path)))
+
+
+def is_kv_projection(path: Sequence[Any]) -> bool:
+    names = tuple(str(p) for p in path)
+    return len(names) >= 3 and names[-3] == "attn" and names[-2] in ("k", "v")
+
+
+def expand_kv(path: Sequence[Any], array: np.ndarray, cfg: ModelConfig, copies: int) -> np.ndarray:
+    """A K/V projection leaf of the checkpoint with each KV head repeated `copies` times in place
+    (head j of the result is head j // copies of the checkpoint); other leaves unchanged."""
+    if copies == 1 or not is_kv_projection(path):
+        return array
+    heads = array.reshape(*array.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+    return np.repeat(heads, copies, axis=-2).reshape(*array.shape[:-1], -1)
+
+
+def place_param(path: Sequence[Any], array: np.ndarray, cfg: ModelConfig, mesh: Mesh) -> jax.Array:
+    """One parameter from host memory onto the mesh: each device receives only its own slice
+    (built shard by shard from the host array, so no device ever holds the whole leaf, and each
+    host fills only its own devices)."""
+    array = expand_kv(path, np.asarray(array), cfg, kv_copies(cfg, tensor_parallel_size(mesh)))
+    return jax.make_array_from_callback(array.shape, param_sharding(mesh, path), lambda index: array[index])
+
+
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, RULES.spec(KV_AXES))
+
+
+def place_kv(tree: Any, mesh: Mesh | None) -> Any:
+    """A pool's or an affix cache's per-layer K/V arrays split by KV head over the mesh."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda a: jax.device_put(a, kv_sharding(mesh)) if a.ndim == 3 else a, tree)
+
+
+def place_rows(tree: Any, mesh: Mesh | None) -> Any:
+    """Arrays whose leading axis is a batch of rows, split over `data` where the rows divide evenly
+    (a batch of fewer rows than data shards runs replicated); other arrays replicated."""
+    if mesh is None:
+        return tree
+    dp = mesh.shape["data"]
+
+    def put(a):
+        split = a.ndim > 0 and a.shape[0] % dp == 0
+        return jax.device_put(a, NamedSharding(mesh, RULES.spec(ROWS_AXES) if split else P()))
+
+    return jax.tree.map(put, tree)
+
+
+def constrain_kv(a: jax.Array) -> jax.Array:
+    """Inside a traced function under `use_mesh`: keep per-layer K/V [rows, kv_heads, head_dim]
+    split by KV head (the partitioner is then never tempted to gather a pool); no-op without a mesh."""
+    if model_axis_size() == 1:
+        return a
+    return jax.lax.with_sharding_constraint(a, RULES.spec(KV_AXES))
+
+
+def model_axis_size() -> int:
+    """The `model` axis size of the mesh being traced under (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or "model" not in mesh.axis_names else mesh.shape["model"]
+
+
+def rows_axis(rows: int) -> str | None:
+    """The mesh axis a leading axis of `rows` rows is split over under the traced mesh: `data`
+    where the rows divide evenly, else none (replicated)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return RULES.batch if not mesh.empty and rows % mesh.shape["data"] == 0 else None
+
+
+def use_mesh(mesh: Mesh | None) -> contextlib.AbstractContextManager:
+    """The mesh as the context of tracing and running (what shard_map and the KV constraints read);
+    nothing without one."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def initialize_distributed() -> None:
+    """jax.distributed.initialize for several hosts, from JAX_COORDINATOR_ADDRESS (host:port of
+    process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID, or what jax detects itself (SLURM, Open MPI)."""
+    env = {name: os.environ.get(var) for name, var in (("coordinator_address", "JAX_COORDINATOR_ADDRESS"),
+                                                        ("num_processes", "JAX_NUM_PROCESSES"),
+                                                        ("process_id", "JAX_PROCESS_ID"))}
+    try:
+        kwargs = {k: (int(v) if k != "coordinator_address" else v) for k, v in env.items() if v}
+    except ValueError:
+        raise InputError(f"JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, got {env}") from None
+    jax.distributed.initialize(**kwargs)
+

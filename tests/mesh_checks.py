@@ -1,0 +1,238 @@
+"""Checks on a mesh of forced host devices, run by tests/test_sharding.py in a subprocess:
+`python tests/mesh_checks.py GROUP WORKDIR` (XLA_FLAGS must force 8 devices before jax is imported,
+which the pytest process, with jax imported and one device, cannot do). Each failed check raises.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import acache_jax  # noqa: E402
+from acache_jax import Engine  # noqa: E402
+from acache_jax.config import DecodeConfig  # noqa: E402
+from acache_jax.decode import generate  # noqa: E402
+from acache_jax.layout import Request  # noqa: E402
+from acache_jax.config import ModelConfig  # noqa: E402
+from acache_jax.sharding import MeshError, check_mesh, make_mesh, param_axes  # noqa: E402
+from tests import hf_checkpoints  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "decode"
+AFFIX = list(range(30, 53))
+REQUESTS = [
+    Request([5, 17, 33, 2, 90], affix_position="prefix", seed=1),
+    Request([11, 3, 3, 64, 8, 1, 2], tail=[7, 8, 9], affix_position="infix", seed=2),
+    Request([23, 99, 54], affix_position="suffix", seed=3),
+]
+
+
+def dream_gqa(workdir: Path) -> Path:
+    """A tiny Dream with 8 query heads on 2 KV heads: split by KV head at tp 2, KV heads copied at tp 4."""
+    cfg = hf_checkpoints.dream_config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2)
+    return hf_checkpoints.write_checkpoint(workdir / "dream-gqa", cfg, hf_checkpoints.random_weights(cfg, seed=3))
+
+
+def model_dirs(workdir: Path) -> dict[str, Path]:
+    return {"llada": FIXTURES / "llada", "dream": dream_gqa(workdir)}
+
+
+def split_axis(path) -> int | None:
+    axes = param_axes(path)
+    return next((i for i, a in enumerate(axes) if a in ("heads", "kv_heads", "mlp", "vocab")), None)
+
+
+def check_sharded(model: acache_jax.Model, tp: int) -> None:
+    """Every split parameter holds 1/tp of its split axis on each device; the rest is whole."""
+    for path, leaf in nnx_leaves(model):
+        axis = split_axis(path)
+        assert isinstance(leaf.sharding, NamedSharding), (path, leaf.sharding)
+        for shard in leaf.addressable_shards:
+            expected = list(leaf.shape)
+            if axis is not None:
+                expected[axis] //= tp
+            assert list(shard.data.shape) == expected, (path, shard.data.shape, expected)
+
+
+def nnx_leaves(model):
+    from flax import nnx
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(model.params))
+    return [(tuple(k.key for k in path), leaf) for path, leaf in flat]
+
+
+def check_loading(workdir: Path) -> None:
+    """Loading on a mesh: split leaves, no whole split tensor on one device at any point of the read."""
+    from acache_jax import checkpoint
+
+    dirs = model_dirs(workdir)
+    watched = []
+    reading = checkpoint.progress
+
+    def watching(desc):
+        def wrap(items):
+            for item in reading(desc)(items):
+                watched.append([a.shape for a in jax.live_arrays() if len(a.sharding.device_set) == 1 and a.size > 64])
+                yield item
+        return wrap
+
+    checkpoint.progress = watching
+    try:
+        model = acache_jax.load(dirs["llada"], dtype="float32", mesh=make_mesh(4, 2))
+    finally:
+        checkpoint.progress = reading
+    assert len(watched) > 10 and not any(watched), [w for w in watched if w][:3]
+    check_sharded(model, 4)
+    bytes_per_device = {}
+    for _, leaf in nnx_leaves(model):
+        for shard in leaf.addressable_shards:
+            bytes_per_device[shard.device] = bytes_per_device.get(shard.device, 0) + shard.data.nbytes
+    total = sum(leaf.nbytes for _, leaf in nnx_leaves(model))
+    assert len(bytes_per_device) == 8 and max(bytes_per_device.values()) < 0.3 * total, (bytes_per_device, total)
+    # Dream-GQA at tp 4: 2 KV heads stored twice, each device one KV head; a converted checkpoint too.
+    from convert import convert
+
+    converted = convert(dirs["dream"], workdir / "dream-gqa-converted", dtype="float32")
+    for src in (dirs["dream"], converted):
+        dream = acache_jax.load(src, dtype="float32", mesh=make_mesh(4))
+        assert dream.config.num_kv_heads == 4, dream.config
+        check_sharded(dream, 4)
+        k = dream.params["layers"][0]["attn"]["k"]["kernel"][...]
+        assert [s.data.shape for s in k.addressable_shards] == [(64, 8)] * 4
+        single = acache_jax.load(src, dtype="float32")
+        original = np.asarray(single.params["layers"][0]["attn"]["k"]["kernel"][...])
+        copies = np.asarray(k).reshape(64, 4, 8)
+        np.testing.assert_array_equal(copies[:, 1], original[:, :8])  # head 1 is a copy of head 0
+        np.testing.assert_array_equal(copies[:, 2], original[:, 8:])
+    pool = Engine(dream, DecodeConfig(gen_length=16, block_length=8, cache="dual"), pool_tokens=64, block_size=8
+                  ).runner.pool.k[0]
+    assert pool.sharding.spec[1] == "model" and {s.data.shape for s in pool.addressable_shards} == {(64, 1, 8)}
+    affix = acache_jax.build_affix_cache(dream, AFFIX)
+    assert {s.data.shape for s in affix.k[0].addressable_shards} == {(len(AFFIX), 1, 8)}
+    # Bad meshes: one clear error each.
+    for (tp, dp), message in (((3, 1), "does not divide the model's attention heads"),
+                              ((8, 2), "= 16 devices, but only 8 are present"),
+                              ((0, 1), "must be a positive integer")):
+        try:
+            acache_jax.load(dirs["llada"], mesh=make_mesh(tp, dp))
+        except MeshError as e:
+            assert message in str(e), e
+        else:
+            raise AssertionError(f"tp {tp} dp {dp} was accepted")
+    odd = ModelConfig.from_hf(hf_checkpoints.dream_config(hidden_size=48, num_attention_heads=6,
+                                                          num_key_value_heads=3, intermediate_size=96))
+    try:
+        check_mesh(make_mesh(2), odd)
+    except MeshError as e:
+        assert "must divide the model's 3 KV heads or be a multiple of them" in str(e), e
+    else:
+        raise AssertionError("2 devices for 3 KV heads was accepted")
+    print("loading ok")
+
+
+# (family, cache, extra settings, mesh (tp, dp)): every policy, both families, tp 2/4 x dp 1/2,
+# the Pallas kernels (interpreted) through shard_map and the jnp path through the partitioner.
+STATIC = [
+    ("llada", "dual", dict(temperature=0.7), (2, 2)),
+    ("llada", "prefix", dict(threshold=None, steps=8), (4, 1)),
+    ("llada", "acache", dict(anchor_ratio=0.3, selector="attention", attn_backend="pallas"), (2, 2)),
+    ("llada", "direct", dict(), (2, 1)),
+    ("dream", "dual", dict(threshold=None, steps=8), (4, 2)),
+    ("dream", "prefix", dict(), (2, 2)),
+    ("dream", "acache", dict(anchor_ratio=0.3, selector="hkvd"), (4, 1)),
+    ("dream", "direct", dict(attn_backend="pallas"), (4, 2)),
+]
+ENGINE = [
+    ("llada", "acache", dict(anchor_ratio=0.3), (2, 2)),
+    ("llada", "dual", dict(temperature=0.7), (4, 1)),
+    ("dream", "acache", dict(anchor_ratio=0.3, attn_backend="pallas"), (4, 2)),
+    ("dream", "direct", dict(threshold=None, steps=8), (2, 1)),
+]
+
+
+def check_parity(workdir: Path, engine: bool) -> None:
+    """The same tokens (and anchors, NFE) on a mesh as on one device, in float32."""
+    dirs = model_dirs(workdir)
+    single = {f: acache_jax.load(d, dtype="float32") for f, d in dirs.items()}
+    meshed = {}
+    cases = ENGINE if engine else STATIC
+    for family, cache, extra, (tp, dp) in cases:
+        if (family, tp, dp) not in meshed:
+            meshed[family, tp, dp] = acache_jax.load(dirs[family], dtype="float32", mesh=make_mesh(tp, dp))
+        model = meshed[family, tp, dp]
+        cfg = DecodeConfig(gen_length=16, block_length=8, cache=cache, **extra)
+        want = generate(single[family], REQUESTS, cfg, affix=AFFIX)
+        if engine:
+            results = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2).generate(REQUESTS, AFFIX)
+            got = [(r.tokens, r.anchors, r.nfe) for r in results]
+        else:
+            out = generate(model, REQUESTS, cfg, affix=AFFIX)
+            got = list(zip(out.tokens, out.anchors, out.nfe))
+        for i, (tokens, anchors, nfe) in enumerate(got):
+            case = (family, cache, tp, dp, i)
+            assert tokens.tolist() == want.tokens[i].tolist(), case
+            assert anchors.tolist() == want.anchors[i].tolist() and nfe == want.nfe[i], case
+        print("parity ok", "engine" if engine else "static", family, cache, f"tp {tp} dp {dp}")
+
+
+def collectives(text: str) -> list[tuple[str, str]]:
+    """(kind, result shape) of every collective in compiled HLO text."""
+    return re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                      text)
+
+
+def check_hlo(workdir: Path) -> None:
+    """Tensor parallelism compiles to Megatron's collectives: per layer one all-reduce after attention
+    and one after the MLP (+ one for the embedding lookup of the vocabulary-split table), and no
+    all-gather of a weight or of the pool; the sampler's max over the vocabulary-split logits
+    gathers only [rows, block, tp] partials."""
+    from acache_jax.engine import runner
+    from acache_jax.model import ForwardInputs, _jit_forward
+    from acache_jax.sharding import use_mesh
+
+    model = acache_jax.load(FIXTURES / "llada", dtype="float32", mesh=make_mesh(4))
+    layers = model.config.num_layers
+    whole = {tuple(leaf.shape) for _, leaf in nnx_leaves(model)}
+    with use_mesh(model.mesh):
+        tokens = jax.numpy.zeros((2, 16), jax.numpy.int32)
+        dense = _jit_forward.lower(model.graphdef, model.params, tokens,
+                                   ForwardInputs(jax.numpy.broadcast_to(jax.numpy.arange(16), (2, 16)))).compile()
+    found = collectives(dense.as_text())
+    assert [kind for _, kind in found] == ["all-reduce"] * (2 * layers + 1), found
+    for backend in ("xla",):  # the Pallas kernels' shard_map names the pool's split in its in_specs
+        cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, attn_backend=backend)
+        engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2)
+        compiled = []
+        step = runner.block_loop
+
+        def capture(*args):
+            compiled.append(step.lower(*args).compile().as_text())
+            return step(*args)
+
+        runner.block_loop = capture
+        try:
+            engine.generate(REQUESTS[:2], AFFIX)
+        finally:
+            runner.block_loop = step
+        pool_shape = tuple(engine.runner.pool.k[0].shape)
+        for text in compiled:
+            found = collectives(text)
+            kinds = [kind for _, kind in found]
+            assert kinds.count("all-reduce") >= 2 * layers + 1 and set(kinds) <= {"all-reduce", "all-gather"}, found
+            for shape, kind in found:
+                dims = tuple(int(d) for d in re.findall(r"\d+", shape.split("{")[0].split("[", 1)[-1]))
+                assert kind != "all-gather" or (dims[-1] == 4 and dims not in whole | {pool_shape}), (backend, found)
+    print("hlo ok")
+
+
+if __name__ == "__main__":
+    group, workdir = sys.argv[1], Path(sys.argv[2])
+    assert len(jax.devices()) == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+    {"loading": lambda: check_loading(workdir), "static": lambda: check_parity(workdir, engine=False),
+     "engine": lambda: check_parity(workdir, engine=True), "hlo": lambda: check_hlo(workdir)}[group]()

@@ -1,0 +1,118 @@
+"""Tensor and data parallelism on 8 forced host devices (tests/mesh_checks.py, in subprocesses:
+the device count must be set before jax is imported), and the mesh rules that need no devices.
+
+The subprocesses start together when the first test here asks for them and run side by side.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from acache_jax.config import ModelConfig
+from acache_jax.model import abstract_transformer
+from acache_jax.sharding import MeshError, check_mesh, expand_kv, kv_copies, make_mesh, param_axes
+from tests import hf_checkpoints
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = ("loading", "static", "engine", "hlo")
+LLADA = ROOT / "tests" / "fixtures" / "decode" / "llada"
+
+
+def _env() -> dict[str, str]:
+    flags = os.environ.get("XLA_FLAGS", "")
+    return {**os.environ, "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=8",
+            "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every check group and CLI run started at once; each test waits for its own."""
+    work = tmp_path_factory.mktemp("mesh")
+    start = lambda args, **env: subprocess.Popen(args, cwd=ROOT, env=_env() | env, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.PIPE, text=True)
+    procs = {g: start([sys.executable, "tests/mesh_checks.py", g, str(work / g)]) for g in GROUPS}
+    cli = [sys.executable, "-m", "acache_jax.generate", "--model", str(LLADA), "--prompt-ids", "5,17,33,2,90",
+           "--gen-length", "16", "--block-length", "8", "--cache", "dual", "--json", "--dtype", "float32"]
+    procs["cli-single"] = start(cli)
+    procs["cli-static"] = start(cli + ["--tensor-parallel-size", "2", "--data-parallel-size", "2"])
+    procs["cli-engine"] = start(cli + ["--engine", "--tensor-parallel-size", "4", "--data-parallel-size", "2"])
+    procs["cli-bad"] = start(cli + ["--tensor-parallel-size", "8", "--data-parallel-size", "2"])
+    procs["cli-heads"] = start(cli + ["--tensor-parallel-size", "3"])
+    with socket.socket() as s:  # a free port for a one-process jax.distributed cluster
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs["cli-distributed"] = start(cli + ["--distributed", "--tensor-parallel-size", "2"],
+                                     JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="1", JAX_PROCESS_ID="0")
+    yield procs
+    for p in procs.values():
+        p.kill()
+
+
+def _wait(runs, name, timeout=600):
+    proc = runs[name]
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_mesh_checks(runs, group):
+    rc, out, err = _wait(runs, group)
+    assert rc == 0, f"{out}\n{err[-3000:]}"
+    assert "ok" in out
+
+
+def test_cli_flags_give_the_same_tokens(runs):
+    """Static and engine on meshes, and --distributed on a one-process cluster: the one-device tokens."""
+    rc, single, err = _wait(runs, "cli-single")
+    assert rc == 0, err
+    for name in ("cli-static", "cli-engine", "cli-distributed"):
+        rc, out, err = _wait(runs, name)
+        assert rc == 0, err
+        # the last line: jax.distributed's CPU collectives (Gloo) print their connections on stdout
+        assert json.loads(out.splitlines()[-1])["tokens"] == json.loads(single)["tokens"], name
+
+
+def test_cli_bad_mesh_is_one_line(runs):
+    for name, message in (("cli-bad", "tensor parallel 8 x data parallel 2 = 16 devices, but only 8 are present"),
+                          ("cli-heads", "tensor parallel size 3 does not divide the model's attention heads (4)")):
+        rc, out, err = _wait(runs, name)
+        assert rc == 2 and err.strip().splitlines() == [f"error: {message}"], (rc, err)
+
+
+def test_param_axes_cover_every_parameter():
+    """Every leaf of both families has logical axes, one per dimension, with the right split axes."""
+    for hf in (hf_checkpoints.llada_config(), hf_checkpoints.dream_config()):
+        cfg = ModelConfig.from_hf(hf)
+        abstract = nnx.split(abstract_transformer(cfg, "float32"))[1]
+        flat, _ = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))
+        for path, leaf in flat:
+            keys = tuple(k.key for k in path)
+            assert len(param_axes(keys)) == leaf.ndim, keys
+    assert param_axes(("layers", 0, "attn", "o", "kernel")) == ("heads", "embed")
+    assert param_axes(("lm_head", "kernel")) == ("embed", "vocab")
+
+
+def test_kv_heads_are_copied_in_order():
+    cfg = ModelConfig.from_hf(hf_checkpoints.dream_config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2))
+    assert kv_copies(cfg, 2) == 1 and kv_copies(cfg, 8) == 4
+    kernel = np.arange(3 * 16).reshape(3, 16)  # 2 heads of 8
+    out = expand_kv(("layers", 0, "attn", "k", "kernel"), kernel, cfg, 2).reshape(3, 4, 8)
+    assert (out[:, 0] == out[:, 1]).all() and (out[:, 1] == kernel[:, :8]).all() and (out[:, 2] == kernel[:, 8:]).all()
+    assert expand_kv(("layers", 0, "attn", "q", "kernel"), kernel, cfg, 2) is kernel
+
+
+def test_bad_meshes_are_named():
+    cfg = ModelConfig.from_hf(hf_checkpoints.dream_config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2))
+    with pytest.raises(MeshError, match="only 1 are present"):
+        make_mesh(2)
+    with pytest.raises(MeshError, match="tensor_parallel must be a positive integer"):
+        make_mesh(0)
+    check_mesh(make_mesh(1), cfg)  # one device: anything goes
