@@ -150,6 +150,10 @@ class AffixStore:
         assert entry.holds > 0, f"affix {key!r:.40} released more often than held"
         entry.holds -= 1
 
+    def drop_unheld(self) -> None:
+        for key in [k for k, e in self._entries.items() if not e.holds]:
+            del self._entries[key]
+
     def add(self, key: Hashable, cache: AffixCache) -> bool:
         """Store a cache (not held yet), evicting unheld ones least recently used first to make room;
         False, and nothing evicted, if it cannot fit beside the held ones."""

@@ -7,7 +7,8 @@ once (an idle one is dropped for a new one; if none is idle the request is refus
 thread steps every engine that has work in turn. After each step, each running request's
 committed contiguous prefix (final tokens) is turned into text: new text is sent to its stream,
 and a request whose prefix already holds an end-of-text token or a stop string is finished and
-cancelled there (the rest of its generation could not change its answer). Without an affix of
+cancelled there (the rest of its generation could not change its answer; the server's early stop,
+off with `finish_early=False` for measurements). Without an affix of
 its own, a request is run against the longest span discovery found in it (`affix_index`).
 """
 
@@ -44,6 +45,7 @@ class Settings:
     min_count: int = 2
     min_tokens: int = 64
     affix_budget_bytes: int = 1 << 30
+    finish_early: bool = True  # end a request once its committed prefix holds an end of text
 
 
 @dataclasses.dataclass
@@ -93,6 +95,11 @@ class Worker:
     def cancel(self, job_id: str) -> None:
         self._inbox.put(("cancel", job_id))
 
+    def reset_discovery(self) -> None:
+        """Forget every counted span and drop the stored affix caches no request holds (benchmarks
+        measure discovery from a cold start with warm compiled programs)."""
+        self._inbox.put(("reset",))
+
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is left, free every slot and end the thread."""
         self._inbox.put(("stop",))
@@ -126,6 +133,10 @@ class Worker:
             self._publish()
 
     def _command(self, command: tuple) -> None:
+        if command[0] == "reset":
+            self.index = SpanIndex(self.settings.min_count, self.settings.min_tokens)
+            self.store.drop_unheld()
+            return
         if command[0] == "cancel":
             live = self._live.get(command[1])
             if live is not None:
@@ -182,7 +193,7 @@ class Worker:
             cache = self.store.hold(affix)
             held = hit = cache is not None
             if cache is None:
-                cache = build_affix_cache(self.model, list(affix))
+                cache = build_affix_cache(self.model, list(affix), bucketed=True)
                 self.counters[f"affix_builds_{source}"] += 1
                 held = self.store.add(affix, cache) and self.store.hold(affix) is not None
         try:
@@ -228,7 +239,7 @@ class Worker:
         answer_ids = ids[:end]
         text = model.tokenizer.decode(answer_ids, skip_special_tokens=True)
         cut = min((i for i in (text.find(s) for s in live.job.stop) if i >= 0), default=None)
-        done = final or end is not None or cut is not None
+        done = final or cut is not None or (end is not None and self.settings.finish_early)
         if cut is not None:
             text = text[:cut]
         if not done:
