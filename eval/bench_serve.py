@@ -147,11 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         check_output_path(args.json)
     shipped = load(args.model or DEFAULT_MODEL)
     if args.shape:
-        from eval.bench_decode import llada_8b, random_model
-        from eval.bench_engine import dream_7b
+        from eval.bench_traffic import shaped_model
 
-        cfg = (llada_8b if args.shape == "llada" else dream_7b)(args.layers or (32 if args.shape == "llada" else 28))
-        model = dataclasses.replace(random_model(cfg), tokenizer=shipped.tokenizer)
+        model = dataclasses.replace(shaped_model(args.shape, args.layers), tokenizer=shipped.tokenizer)
         base = model.decode_config(gen_length=args.max_tokens, block_length=args.block, threshold=None,
                                    steps=args.max_tokens // args.tokens_per_step, cache="acache")
     else:
