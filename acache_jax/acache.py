@@ -14,6 +14,7 @@ reading the other affix K/V from the shared cache (see decode.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax
@@ -22,15 +23,20 @@ from flax import nnx
 
 from acache_jax.config import SELECTORS, ModelConfig
 from acache_jax.kv import AffixCache, read_set, rows_access
-from acache_jax.layout import Batch, RequestError, affix_token_ids
+from acache_jax.layout import Batch, RequestError, affix_token_ids, bucket
 from acache_jax.model import ForwardInputs, Model, forward
 from acache_jax.sharding import place_kv
 
 Selector = Literal["attention", "hkvd", "random", "bottom"]
 
 
-def build_affix_cache(model: Model, affix_ids) -> AffixCache:
-    """Run the affix alone (positions 0..L-1) once; the result serves any number of requests."""
+def build_affix_cache(model: Model, affix_ids, bucketed: bool = False) -> AffixCache:
+    """Run the affix alone (positions 0..L-1) once; the result serves any number of requests.
+
+    bucketed: run it padded to `layout.bucket(L)` tokens, the padding masked out, so that affixes of
+    many lengths share a few compiled programs (a server meets a new length with every discovered
+    span). The real tokens' K/V are those of the unpadded run up to float summation order; use
+    one setting for caches whose results are compared."""
     ids = affix_token_ids(affix_ids)
     if not ids:
         raise RequestError("the affix is empty")
@@ -40,9 +46,22 @@ def build_affix_cache(model: Model, affix_ids) -> AffixCache:
     if bad:
         raise RequestError(f"affix token ids outside the vocabulary [0, {model.config.vocab_size}): {bad[:5]}")
     tokens = jnp.asarray([ids], jnp.int32)
-    out = model.forward(tokens, ForwardInputs(jnp.arange(len(ids), dtype=jnp.int32)[None]), with_logits=False)
-    cache = AffixCache(tuple(k[0] for k in out.k), tuple(v[0] for v in out.v), tokens[0], model.fingerprint)
-    return place_kv(cache, model.mesh)
+    if not bucketed:
+        out = model.forward(tokens, ForwardInputs(jnp.arange(len(ids), dtype=jnp.int32)[None]), with_logits=False)
+        cache = AffixCache(tuple(k[0] for k in out.k), tuple(v[0] for v in out.v), tokens[0], model.fingerprint)
+        return place_kv(cache, model.mesh)
+    n, padded = len(ids), bucket(len(ids))
+    valid = jnp.arange(padded)[None] < n
+    out = model.forward(jnp.pad(tokens, ((0, 0), (0, padded - n)), constant_values=model.config.pad_token_id),
+                        ForwardInputs(jnp.arange(padded, dtype=jnp.int32)[None], valid), with_logits=False)
+    k, v = _first_rows(out.k, out.v, n)
+    return place_kv(AffixCache(k, v, tokens[0], model.fingerprint), model.mesh)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _first_rows(k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], n: int):
+    """Row 0's first n tokens of each layer's K and V (one program, not one slice per layer)."""
+    return tuple(a[0, :n] for a in k), tuple(a[0, :n] for a in v)
 
 
 def check_affix_cache(model: Model, affix: AffixCache) -> None:

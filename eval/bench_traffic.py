@@ -59,6 +59,14 @@ def random_workload(cfg, n: int, gen_lengths: list[int], rng: np.random.Generato
     return out
 
 
+def shaped_model(shape: str, layers: int | None = None):
+    """Random bf16 weights in the LLaDA-8B or Dream-7B shape (all their layers unless `layers`)."""
+    from eval.bench_decode import llada_8b, random_model
+    from eval.bench_engine import dream_7b
+
+    return random_model((llada_8b if shape == "llada" else dream_7b)(layers or (32 if shape == "llada" else 28)))
+
+
 def serve(model, config, workload, arrivals: np.ndarray, max_batch: int, pool_tokens: int) -> dict:
     """Feed requests at their arrival times; returns throughput and latency percentiles."""
     engine = Engine(model, config, pool_tokens=pool_tokens, max_batch=max_batch)
@@ -113,11 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         workload = task_workload(model, args.requests, gens, rng)
         base = model.decode_config(gen_length=max(gens), block_length=args.block)
     else:
-        from eval.bench_decode import llada_8b, random_model
-        from eval.bench_engine import dream_7b
-
-        cfg = (llada_8b if args.shape == "llada" else dream_7b)(args.layers or (32 if args.shape == "llada" else 28))
-        model = random_model(cfg)
+        model = shaped_model(args.shape, args.layers)
+        cfg = model.config
         workload = random_workload(cfg, args.requests, gens, rng)
         steps = max(gens) // args.tokens_per_step
         base = model.decode_config(gen_length=max(gens), block_length=args.block, steps=steps, threshold=None)

@@ -109,7 +109,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_batch)
         self.runner = Runner(model, config, num_blocks * block_size, max_batch, profile)
         self.stats = EngineStats()
-        self._affixes: dict[tuple[int, ...], list[int] | AffixCache] = {}
+        self._affixes: dict[tuple[int, ...], list[int] | AffixCache] = {}  # of queued and running requests
+        self._affix_users: dict[tuple[int, ...], int] = {}  # queued and running requests per affix
+        self._live: dict[int, SequenceState] = {}  # queued and running requests
         self._held: dict[int, EngineResult] = {}  # finished during generate() but not asked for there
         self._next_id = 0
 
@@ -121,6 +123,8 @@ class Engine:
 
         gen_length: this request's own, a multiple of the block length (default the config's); it
         decodes as `generate` would with `request_config(gen_length)`: the same steps per block.
+        Under `acache` / `direct`, a request without an affix shares nothing: it owns and recomputes
+        all its columns, exactly as under `dual`, so one engine serves requests with and without one.
         """
         cfg, mcfg = self.config, self.model.config
         gen_length = cfg.gen_length if gen_length is None else gen_length
@@ -129,15 +133,41 @@ class Engine:
             check_affix_cache(self.model, affix)
         affix_ids = None if affix is None else affix_token_ids(affix)
         check_requests([request], gen_length, mcfg, affix_ids)
-        if cfg.selective and request.affix_position is None:
-            raise DecodeError(f"cache policy {cfg.cache!r}: the request needs an affix_position")
         seq = SequenceState.from_request(self._next_id, request, affix_ids if request.affix_position else None,
                                          gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)
         self.scheduler.add(seq, cfg.anchors(seq.affix_len) if seq.shares_affix else 0)
-        if seq.shares_affix and not isinstance(self._affixes.get(seq.affix_key), AffixCache):
-            self._affixes[seq.affix_key] = affix if isinstance(affix, AffixCache) else affix_ids
+        if seq.shares_affix:
+            if not isinstance(self._affixes.get(seq.affix_key), AffixCache):
+                self._affixes[seq.affix_key] = affix if isinstance(affix, AffixCache) else affix_ids
+            self._affix_users[seq.affix_key] = self._affix_users.get(seq.affix_key, 0) + 1
+        self._live[seq.request_id] = seq
         self._next_id += 1
         return seq.request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a queued or running request now, freeing its slots at once; False if it is not live
+        (finished, cancelled or unknown). Its result is never handed out."""
+        seq = self._live.get(request_id)
+        if seq is None:
+            return False
+        self.scheduler.cancel(seq)
+        self._forget(seq)
+        return True
+
+    def partial(self, request_id: int) -> np.ndarray | None:
+        """A live request's committed contiguous prefix of its generation (None if it is not live):
+        every token of it is final, so it can be shown while the rest decodes."""
+        seq = self._live.get(request_id)
+        return None if seq is None else seq.committed
+
+    def _forget(self, seq: SequenceState) -> None:
+        """Drop a request that left the engine, and its affix's source once no queued or running request
+        needs it (else the engine would keep every affix it ever served)."""
+        del self._live[seq.request_id]
+        if seq.shares_affix:
+            self._affix_users[seq.affix_key] -= 1
+            if not self._affix_users[seq.affix_key]:
+                del self._affix_users[seq.affix_key], self._affixes[seq.affix_key]
 
     def request_config(self, gen_length: int) -> DecodeConfig:
         """The static path's config of a request with this gen length: the same schedule per block."""
@@ -202,6 +232,8 @@ class Engine:
             out = self.runner.run(plan)
             finished = self.scheduler.postprocess(plan, out, mcfg.mask_token_id,
                                                   mcfg.eos_token_id if self.config.early_stop else None)
+        for seq in finished:
+            self._forget(seq)
         results = [self._result(seq) for seq in finished]
         runner, stats = self.runner, self.stats
         stats.iterations += 1

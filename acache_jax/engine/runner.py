@@ -163,7 +163,7 @@ def block_loop(structure: Structure, cfg: DecodeConfig, params: list[jax.Array],
 def fill_affix(pool: KVPool, affix: AffixCache, slots: jax.Array, rope_theta: float) -> KVPool:
     """Store an affix cache (computed alone, as the static path does) in its shared slots [L], K
     rotated at the affix's own positions 0..L-1."""
-    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype)) for p, n in zip(rows, new))
+    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype), mode="drop") for p, n in zip(rows, new))
     return KVPool(put(pool.k, affix.rotated_k(rope_theta)), put(pool.v, affix.v))
 
 
@@ -206,6 +206,12 @@ class Runner:
         self.work: list[tuple[int, int, int]] = []
 
     def fill_affix(self, affix: AffixCache, slots: np.ndarray) -> None:
+        """Padded to `bucket(L)` rows (padding rows write nowhere): a few programs for every length."""
+        n, padded = affix.length, bucket(affix.length)
+        grow = lambda a: jnp.pad(a, ((0, padded - n), (0, 0), (0, 0)))
+        affix = AffixCache(tuple(map(grow, affix.k)), tuple(map(grow, affix.v)), jnp.pad(affix.ids, (0, padded - n)),
+                           affix.model_fingerprint)
+        slots = np.concatenate([slots, np.full(padded - n, self.pool.num_slots, np.int32)])
         self.pool = fill_affix(self.pool, affix, jnp.asarray(slots), self.model.config.rope_theta)
 
     def _read_sets(self, plan: Plan, n_rows: int) -> tuple[tuple[ReadSet, ...], np.ndarray]:

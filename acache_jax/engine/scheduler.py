@@ -180,6 +180,20 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self._finished_last_step.append(seq)
 
+    def cancel(self, seq: SequenceState) -> None:
+        """Drop a waiting or running request now: its private blocks are freed and its hold on the
+        affix released at once (nothing of it is left for a later admission)."""
+        if seq.status is SequenceStatus.WAITING:
+            self._waiting.remove(seq)
+        else:
+            assert seq.status is SequenceStatus.RUNNING, f"{seq} is neither waiting nor running"
+            self._running.remove(seq)
+            self.block_manager.free(seq.private_blocks)
+            seq.private_blocks = []
+            if seq.shares_affix:
+                self.block_manager.release_shared(seq.affix_key)
+        seq.status = SequenceStatus.FINISHED
+
     def release_affix(self, seq: SequenceState) -> None:
         assert seq.status is SequenceStatus.FINISHED, f"{seq} has not finished"
         if seq.shares_affix:

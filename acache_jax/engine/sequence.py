@@ -47,8 +47,9 @@ class SequenceState:
     """Everything the engine knows about one request: row, policy, slots, anchors, progress."""
 
     def __init__(self, request_id: Hashable, row: Row, block_length: int, affix_key: Hashable | None = None,
-                 policy: Policy = "acache", seed: int = 0):
+                 policy: Policy = "acache", seed: int = 0, mask_id: int | None = None):
         self.request_id, self.row, self.block_length = request_id, row, block_length
+        self.mask_id = mask_id  # the generation region's mask id (needed by `committed`)
         self.affix_key, self.policy, self.seed = affix_key, policy, seed
         self._validate()
         self.tokens = row.tokens.copy()  # [T] the columns as decoded so far
@@ -75,7 +76,7 @@ class SequenceState:
         """The request's row with its affix placed; the affix key defaults to the affix ids."""
         row = request.row(affix or [], gen_length, mask_id)
         key = (tuple(affix) if affix_key is None else affix_key) if row.affix_len else None
-        return cls(request_id, row, block_length, key, policy, request.seed)
+        return cls(request_id, row, block_length, key, policy, request.seed, mask_id)
 
     def _validate(self) -> None:
         def fail(msg):
@@ -126,6 +127,14 @@ class SequenceState:
     @property
     def generated(self) -> np.ndarray:
         return self.tokens[self.row.gen_start:self.row.gen_start + self.row.gen_length]
+
+    @property
+    def committed(self) -> np.ndarray:
+        """The generated tokens up to the first still-masked one: final, whatever is decoded later
+        (a committed token never changes; blocks commit in order)."""
+        gen = self.generated
+        masked = np.flatnonzero(gen == self.mask_id)
+        return gen[:masked[0] if masked.size else len(gen)].copy()
 
     def advance_block(self) -> bool:
         """Move to the next block (which needs a recompute); False when the generation is complete."""

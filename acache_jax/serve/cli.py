@@ -1,0 +1,91 @@
+"""Command line: `python -m acache_jax.serve [--model DIR] [--host H] [--port P] [flags]` (see --help).
+
+Decoding settings start from the model's generation_config.json, then these flags, then each
+request's knobs. The server defaults to ACache (`--cache acache`) with early stop, and discovers
+shared spans unless `--no-discovery`. SIGTERM or Ctrl-C: no new requests are accepted, running ones
+get `--shutdown-timeout` seconds to finish, the rest are cancelled; every KV slot is freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from acache_jax.checkpoint import load
+from acache_jax.config import ATTENTION_BACKENDS, InputError
+from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
+from acache_jax.generate import DEFAULT_MODEL, _Parser, _positive, _threshold
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m acache_jax.serve", description=__doc__.splitlines()[0])
+    unset = argparse.SUPPRESS
+    p.add_argument("--model", type=Path, help="converted or HF LLaDA/Dream directory (default: the shipped model)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (default: as stored)")
+    p.add_argument("--gen-length", type=_positive, default=unset, help="default max_tokens (default: the model's)")
+    p.add_argument("--block-length", type=_positive, default=unset, help="decoding block (default: the model's)")
+    p.add_argument("--threshold", type=_threshold, default=unset, help="confidence threshold or 'none'")
+    p.add_argument("--steps", type=_positive, default=unset, help="fixed-schedule steps over --gen-length")
+    p.add_argument("--cache", choices=list(ENGINE_POLICIES), default="acache", help="default cache policy")
+    p.add_argument("--anchor-ratio", type=float, default=unset, help="acache: anchors per affix token")
+    p.add_argument("--no-early-stop", dest="early_stop", action="store_false",
+                   help="compute every block, even once the answer has ended (measurements)")
+    p.add_argument("--backend", choices=ATTENTION_BACKENDS, help="attention backend (default: pallas on a GPU)")
+    p.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together per engine")
+    p.add_argument("--pool-tokens", type=_positive, help="KV pool per engine in tokens (default: batch x context)")
+    p.add_argument("--max-engines", type=_positive, default=4, help="distinct decoding settings served at once")
+    p.add_argument("--max-queue", type=_positive, default=256, help="requests queued or running; more get 429")
+    p.add_argument("--no-discovery", dest="discovery", action="store_false", help="serve declared affixes only")
+    p.add_argument("--affix-min-count", type=_positive, default=2, help="requests a span must recur in")
+    p.add_argument("--affix-min-tokens", type=_positive, default=64, help="tokens a discovered span must have")
+    p.add_argument("--affix-memory-mb", type=_positive, default=1024, help="budget of the stored affix caches")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds running requests get at SIGTERM")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from acache_jax.serve.app import create_app
+        from acache_jax.serve.worker import Settings, Worker
+    except ImportError as e:
+        print(f"error: the server needs the serve extra (pip install 'acache-jax[serve]'): {e}", file=sys.stderr)
+        return 2
+    try:
+        model = load(args.model or DEFAULT_MODEL, dtype=args.dtype)
+        fields = {k: getattr(args, k) for k in ("gen_length", "block_length", "threshold", "steps", "anchor_ratio")
+                  if hasattr(args, k)}
+        base = model.decode_config(**fields, cache=args.cache, early_stop=args.early_stop, attn_backend=args.backend)
+        check_engine_config(base)
+        settings = Settings(max_batch=args.max_batch, pool_tokens=args.pool_tokens, max_engines=args.max_engines,
+                            max_queue=args.max_queue, discovery=args.discovery, min_count=args.affix_min_count,
+                            min_tokens=args.affix_min_tokens, affix_budget_bytes=args.affix_memory_mb << 20,
+                            finish_early=args.early_stop)
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or (args.model or DEFAULT_MODEL).resolve().name
+    worker = Worker(model, settings)
+    app = create_app(model, base, worker, name)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    server = uvicorn.Server(config)
+    print(f"acache_jax.serve: {name} on http://{args.host}:{args.port} (cache {base.cache}, discovery "
+          f"{'on' if args.discovery else 'off'})", file=sys.stderr, flush=True)
+    # uvicorn re-raises the signal that stopped it once it has drained; SIGTERM has then done its job
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        server.run()  # returns after SIGTERM / Ctrl-C, once open requests finished or the timeout passed
+    except KeyboardInterrupt:
+        pass
+    finally:
+        worker.stop()  # cancels what is left and frees every slot
+    return 0 if server.started else 1
+

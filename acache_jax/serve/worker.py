@@ -1,0 +1,309 @@
+"""The engine thread: the one owner of the engines, the affix index and store; the HTTP side only
+sends it commands and reads the events it sends back.
+
+Requests with equal decoding knobs share one `Engine` (its programs are compiled for one
+`DecodeConfig`); a request with other knobs gets an engine of its own, at most `max_engines` at
+once (an idle one is dropped for a new one; if none is idle the request is refused with 429). The
+thread steps every engine that has work in turn. After each step, each running request's
+committed contiguous prefix (final tokens) is turned into text: new text is sent to its stream,
+and a request whose prefix already holds an end-of-text token or a stop string is finished and
+cancelled there (the rest of its generation could not change its answer; the server's early stop,
+off with `finish_early=False` for measurements). Without an affix of
+its own, a request is run against the longest span discovery found in it (`affix_index`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import sys
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from acache_jax.acache import build_affix_cache
+from acache_jax.affix_index import AffixStore, SpanIndex
+from acache_jax.config import DecodeConfig, InputError
+from acache_jax.engine import Engine
+from acache_jax.model import Model
+from acache_jax.serve.protocol import Answer, ApiError, Job
+
+Emit = Callable[[tuple], None]  # ("text", str) | ("done", Answer) | ("error", ApiError), from the engine thread
+
+
+@dataclasses.dataclass
+class Settings:
+    """The server's engine and discovery flags."""
+
+    max_batch: int = 16
+    pool_tokens: int | None = None  # per engine (default max_batch x the model's context)
+    max_engines: int = 4
+    max_queue: int = 256  # requests queued or running, over every engine
+    discovery: bool = True
+    min_count: int = 2
+    min_tokens: int = 64
+    affix_budget_bytes: int = 1 << 30
+    finish_early: bool = True  # end a request once its committed prefix holds an end of text
+
+
+@dataclasses.dataclass
+class _Live:
+    job: Job
+    emit: Emit
+    engine: DecodeConfig
+    rid: int
+    affix: tuple[int, ...] | None  # the affix it runs with (declared, a suffix or discovered)
+    source: str | None  # "declared" | "discovered"
+    held: bool  # holds its affix in the store
+    cached_tokens: int
+    anchors: int
+    sent: str = ""  # text already streamed: never changes
+
+
+class Worker:
+    """Owns the engines; `submit` / `cancel` / `stop` are safe to call from any thread."""
+
+    def __init__(self, model: Model, settings: Settings):
+        self.model, self.settings = model, settings
+        self.index = SpanIndex(settings.min_count, settings.min_tokens)
+        self.store = AffixStore(settings.affix_budget_bytes)
+        self.engines: OrderedDict[DecodeConfig, Engine] = OrderedDict()
+        self._inbox: queue.Queue[tuple] = queue.Queue()
+        self._live: dict[str, _Live] = {}  # by job id
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self.counters: Counter[str] = Counter()
+        self.snapshot: dict[str, float] = {}
+        self._publish()
+        self._thread = threading.Thread(target=self._run, name="acache-engine", daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------------------------------
+
+    def submit(self, job: Job, emit: Emit) -> None:
+        """Queue a job; ApiError 429 when the queue is full (nothing is queued then)."""
+        with self._lock:
+            if self._inflight >= self.settings.max_queue:
+                self.counters["rejected"] += 1
+                raise ApiError(429, f"the server has {self._inflight} requests queued or running, its limit; "
+                                    "retry shortly", code="queue_full", headers={"Retry-After": "1"})
+            self._inflight += 1
+        self._inbox.put(("submit", job, emit))
+
+    def cancel(self, job_id: str) -> None:
+        self._inbox.put(("cancel", job_id))
+
+    def reset_discovery(self) -> None:
+        """Forget every counted span and drop the stored affix caches no request holds (benchmarks
+        measure discovery from a cold start with warm compiled programs)."""
+        self._inbox.put(("reset",))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is left, free every slot and end the thread."""
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            busy = any(not e.scheduler.idle for e in self.engines.values())
+            try:
+                command = self._inbox.get(block=not busy)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                if command[0] == "stop":
+                    self._shutdown()
+                    return
+                self._command(command)
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    command = None
+            for key in list(self.engines):
+                if not self.engines[key].scheduler.idle:
+                    self._step(key)
+            self._publish()
+
+    def _command(self, command: tuple) -> None:
+        if command[0] == "reset":
+            self.index = SpanIndex(self.settings.min_count, self.settings.min_tokens)
+            self.store.drop_unheld()
+            return
+        if command[0] == "cancel":
+            live = self._live.get(command[1])
+            if live is not None:
+                self.engines[live.engine].cancel(live.rid)
+                self._end(live)
+                self.counters["cancelled"] += 1
+            return
+        _, job, emit = command
+        try:
+            self._admit(job, emit)
+        except ApiError as e:
+            self._refuse(emit, e)
+        except InputError as e:
+            self._refuse(emit, ApiError(400, str(e)))
+        except Exception as e:  # a bad request must not end the thread
+            print(f"acache_jax.serve: request {job.id} failed: {e!r}", file=sys.stderr, flush=True)
+            self._refuse(emit, ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    def _refuse(self, emit: Emit, error: ApiError) -> None:
+        with self._lock:
+            self._inflight -= 1
+        self.counters["failed"] += 1
+        emit(("error", error))
+
+    def _engine(self, config: DecodeConfig) -> Engine:
+        engine = self.engines.get(config)
+        if engine is None:
+            if len(self.engines) >= self.settings.max_engines:
+                idle = next((k for k, e in self.engines.items() if e.scheduler.idle), None)
+                if idle is None:
+                    raise ApiError(429, f"{len(self.engines)} distinct decoding settings are in use, the limit; "
+                                        "retry shortly or use the defaults", code="too_many_settings",
+                                   headers={"Retry-After": "1"})
+                del self.engines[idle]
+            s = self.settings
+            engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch)
+        self.engines.move_to_end(config)
+        return engine
+
+    def _admit(self, job: Job, emit: Emit) -> None:
+        engine = self._engine(job.config)
+        head, affix, position, tail, source = job.head, job.affix, job.affix_position, job.tail, None
+        if affix is not None:
+            source = "declared"
+        elif self.settings.discovery and job.config.selective:
+            span = self.index.observe(job.head)
+            if span is not None:
+                head, affix, tail, source = job.head[:span.start], span.ids, job.head[span.stop:], "discovered"
+                position = "prefix" if span.start == 0 else "infix"
+                if position == "prefix":
+                    head, tail = tail, []
+        cache, held, hit = None, False, False
+        if affix is not None and job.config.selective:
+            cache = self.store.hold(affix)
+            held = hit = cache is not None
+            if cache is None:
+                cache = build_affix_cache(self.model, list(affix), bucketed=True)
+                self.counters[f"affix_builds_{source}"] += 1
+                held = self.store.add(affix, cache) and self.store.hold(affix) is not None
+        try:
+            rid = engine.add(job.request(head, affix, position, tail), cache if cache is not None else affix,
+                             gen_length=job.gen_length)
+        except BaseException:
+            if held:
+                self.store.release(affix)
+            raise
+        anchors = job.config.anchors(len(affix)) if cache is not None else 0
+        cached = len(affix) - anchors if hit else 0
+        self._live[job.id] = _Live(job, emit, job.config, rid, affix, source, held, cached, anchors)
+        self.counters["prompt_tokens"] += job.prompt_tokens
+        self.counters["cached_tokens"] += cached
+
+    def _step(self, key: DecodeConfig) -> None:
+        engine = self.engines[key]
+        self.counters["engine_iterations"] += 1
+        try:
+            results = engine.step()
+        except Exception as e:  # fail this engine's requests, keep serving the others
+            print(f"acache_jax.serve: engine step failed: {e!r}", file=sys.stderr, flush=True)
+            for live in [l for l in self._live.values() if l.engine == key]:
+                self._end(live)
+                self.counters["failed"] += 1
+                live.emit(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}")))
+            del self.engines[key]
+            return
+        by_rid = {l.rid: l for l in self._live.values() if l.engine == key}
+        for res in results:
+            live = by_rid.pop(res.request_id)
+            self._progress(live, res.tokens, final=True, nfe=res.nfe)
+        for live in by_rid.values():
+            self._progress(live, engine.partial(live.rid), final=False)
+        if engine.scheduler.idle:
+            engine.scheduler.drain()  # the last finished requests' affixes leave the pool now
+
+    def _progress(self, live: _Live, tokens: Any, final: bool, nfe: int | None = None) -> None:
+        """Stream a request's new final text; finish it when its answer is complete."""
+        model, ids = self.model, [int(t) for t in tokens]
+        stops = model.stop_token_ids
+        end = next((i for i, t in enumerate(ids) if t in stops), None)
+        answer_ids = ids[:end]
+        text = model.tokenizer.decode(answer_ids, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in live.job.stop) if i >= 0), default=None)
+        done = final or cut is not None or (end is not None and self.settings.finish_early)
+        if cut is not None:
+            text = text[:cut]
+        if not done:
+            hold = max(map(len, live.job.stop), default=1) - 1  # a stop string may be starting here
+            safe = text[:len(text) - hold] if hold else text
+            if safe.endswith("\ufffd"):  # a character split across tokens: wait for the rest
+                safe = safe.rstrip("\ufffd")
+            if live.job.stream and len(safe) > len(live.sent) and safe.startswith(live.sent):
+                live.emit(("text", safe[len(live.sent):]))
+                live.sent = safe
+            return
+        if not final:
+            self.engines[live.engine].cancel(live.rid)
+            self.counters["answered_early"] += 1
+        if not text.startswith(live.sent):  # cannot happen with a prefix-stable detokenizer; never unsend
+            print(f"acache_jax.serve: request {live.job.id}: final text does not extend the streamed text",
+                  file=sys.stderr, flush=True)
+            text = live.sent
+        if text != live.sent and live.job.stream:
+            live.emit(("text", text[len(live.sent):]))
+        self._end(live)
+        completion = len(answer_ids) if cut is None else len(model.encode(text, chat=False, special_tokens=False))
+        reason = "stop" if end is not None or cut is not None else "length"
+        self.counters["finished"] += 1
+        self.counters["completion_tokens"] += completion
+        extra = {"affix_tokens": len(live.affix or ()), "affix_source": live.source, "anchors": live.anchors,
+                 "token_ids": answer_ids if cut is None else None, "nfe": nfe}
+        live.emit(("done", Answer(text, reason, live.job.prompt_tokens, completion, live.cached_tokens, extra)))
+
+    def _end(self, live: _Live) -> None:
+        del self._live[live.job.id]
+        if live.held:
+            self.store.release(live.affix)
+        with self._lock:
+            self._inflight -= 1
+
+    def _shutdown(self) -> None:
+        for live in list(self._live.values()):
+            self.engines[live.engine].cancel(live.rid)
+            self._end(live)
+            self.counters["cancelled"] += 1
+            live.emit(("error", ApiError(503, "the server is shutting down")))
+        for engine in self.engines.values():
+            engine.scheduler.drain()
+        self._publish()
+        used = self.snapshot["pool_blocks_used"]
+        print(f"acache_jax.serve: stopped; {used:.0f} KV blocks left allocated", file=sys.stderr, flush=True)
+
+    def _publish(self) -> None:
+        """Numbers for /metrics, replaced whole (the HTTP side reads it without a lock)."""
+        engines = list(self.engines.values())
+        bms = [e.block_manager for e in engines]
+        snap = {f"requests_{k}_total": float(self.counters[k]) for k in
+                ("finished", "cancelled", "failed", "rejected", "answered_early")}
+        snap |= {f"{k}_total": float(self.counters[k]) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
+        snap |= {"affix_builds_discovered_total": float(self.counters["affix_builds_discovered"]),
+                 "affix_builds_declared_total": float(self.counters["affix_builds_declared"]),
+                 "requests_running": float(sum(len(e.scheduler.running) for e in engines)),
+                 "requests_waiting": float(sum(len(e.scheduler.waiting) for e in engines)),
+                 "pool_blocks_used": float(sum(b.num_blocks - b.num_free_blocks for b in bms)),
+                 "pool_blocks_capacity": float(sum(b.num_blocks for b in bms)),
+                 "engines": float(len(engines)),
+                 "engine_iterations_total": float(self.counters["engine_iterations"]),
+                 "affix_caches": float(len(self.store)), "affix_cache_bytes": float(self.store.nbytes),
+                 "affix_cache_evictions_total": float(self.store.evictions),
+                 "span_index_entries": float(len(self.index)), "time": time.time()}
+        self.snapshot = snap

@@ -1,0 +1,60 @@
+"""The engine hooks a server needs: cancel, partial output, requests without an affix under acache."""
+
+import numpy as np
+import pytest
+
+import acache_jax
+from acache_jax.config import DecodeConfig
+from acache_jax.engine import Engine
+from acache_jax.layout import Request
+
+AFFIX = list(range(30, 53))
+
+
+@pytest.fixture(scope="module")
+def model(fixtures_dir):
+    return acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+
+
+def _empty(engine: Engine) -> bool:
+    bm = engine.block_manager
+    return bm.num_free_blocks == bm.num_blocks and not engine._affixes and not engine._live
+
+
+def test_a_request_without_affix_under_acache_decodes_as_under_dual(model):
+    plain = [Request([5, 17, 33, 2, 90], seed=1), Request([1, 2, 3, 4, 5, 6, 7], seed=2)]
+    mixed = [*plain, Request([9, 8, 7], affix_position="prefix", seed=3)]
+    dual = Engine(model, DecodeConfig(gen_length=16, block_length=8, cache="dual"), pool_tokens=200, block_size=8)
+    acache = Engine(model, DecodeConfig(gen_length=16, block_length=8, cache="acache"), pool_tokens=200, block_size=8)
+    expected = [r.tokens.tolist() for r in dual.generate(plain)]
+    ids = [acache.add(r, AFFIX if r.affix_position else None) for r in mixed]
+    got = {r.request_id: r.tokens.tolist() for r in acache.run()}
+    assert [got[i] for i in ids[:2]] == expected
+    assert _empty(acache)
+
+
+def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
+    cfg = DecodeConfig(gen_length=32, block_length=8, cache="acache", early_stop=False)
+    engine = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=2)
+    reqs = [Request([5, 17, 33, 2, 90], affix_position="prefix", seed=s) for s in range(3)]
+    ids = [engine.add(r, AFFIX) for r in reqs]  # the third waits: max_batch 2
+    seen = {i: [] for i in ids}
+    while engine.block_manager.num_free_blocks == engine.block_manager.num_blocks or not engine.partial(ids[0]).size:
+        engine.step()
+    for i in ids:
+        seen[i].append(engine.partial(i).tolist())
+    assert engine.cancel(ids[1]) and engine.cancel(ids[2])  # running and waiting
+    assert not engine.cancel(ids[1]) and engine.partial(ids[1]) is None
+    assert len(engine.scheduler.running) == 1 and not engine.scheduler.waiting
+    results = []
+    while not engine.scheduler.idle:
+        seen[ids[0]].append([] if engine.partial(ids[0]) is None else engine.partial(ids[0]).tolist())
+        results += engine.step()
+    engine.scheduler.drain()
+    assert [r.request_id for r in results] == [ids[0]]
+    final = results[0].tokens.tolist()
+    for prefix in seen[ids[0]]:
+        assert final[:len(prefix)] == prefix and model.config.mask_token_id not in prefix
+    assert _empty(engine)
+    alone = Engine(model, cfg, pool_tokens=400, block_size=8).generate([reqs[0]], AFFIX)[0]
+    assert alone.tokens.tolist() == final  # the cancelled neighbours changed nothing
