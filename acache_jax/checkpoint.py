@@ -183,11 +183,15 @@ def progress(desc: str):
     return lambda items: tqdm(items, desc=desc, unit="tensor", disable=None)
 
 
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.stack([jnp.isfinite(a).all() for a in leaves])
+
+
 def _check_finite(tree: dict) -> None:
     """Name the first parameter holding NaN or inf (one fused reduction, one transfer)."""
     flat = _flatten(tree)
-    finite = jax.device_get(jax.jit(lambda leaves: jnp.stack([jnp.isfinite(a).all() for a in leaves]))(
-        [a for _, a in flat]))
+    finite = jax.device_get(_all_finite([a for _, a in flat]))
     bad = [".".join(map(str, p)) for (p, _), ok in zip(flat, finite) if not ok]
     if bad:
         raise CheckpointError(f"parameters hold NaN or inf values: {', '.join(bad[:5])}"

@@ -1,11 +1,23 @@
+import gc
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite's time is almost all XLA compilation of tiny models; LLVM's lowest optimisation level
 # compiles about a third faster and computes the same values (the parity fixtures still match).
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# Two pytest-xdist workers and the subprocesses tests start (the CLI, the server, the README's
+# commands) compile many of the same programs (the shipped and fixture models'): one compilation
+# cache on disk for the whole run compiles each once. A size limit turns on JAX's file lock, without
+# which a process could read an entry another is still writing.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="acache-jax-tests-xla-")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
@@ -16,3 +28,30 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+def _memory_maps() -> tuple[int, int]:
+    """(this process's memory mappings, the kernel's limit), or (0, 1) where /proc does not say."""
+    try:
+        with open("/proc/self/maps") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 1
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    """Every compiled XLA CPU program keeps memory mappings of its code; a worker that compiles half
+    the suite's programs would pass vm.max_map_count (65530) and crash inside the next compile.
+    Past half the limit, drop JAX's caches (their programs recompile when next asked for)."""
+    used, limit = _memory_maps()
+    if used > limit // 2:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

@@ -54,7 +54,10 @@ def test_ratio_zero_is_direct_reuse(model, cache):
     assert (zero.nfe == direct.nfe).all() and (zero.forward_tokens == direct.forward_tokens).all()
 
 
-@pytest.mark.parametrize("selector", ["attention", "hkvd", "random", "bottom"])
+# random and bottom select without the model's scores: one model is enough for them.
+@pytest.mark.parametrize("model,selector", [("llada", "attention"), ("llada", "hkvd"), ("llada", "random"),
+                                            ("llada", "bottom"), ("dream", "attention"), ("dream", "hkvd")],
+                         indirect=["model"])
 def test_each_row_equals_the_request_alone(model, cache, selector):
     config = DecodeConfig(cache="acache", anchor_ratio=0.2, selector=selector, **BASE)
     batched = generate(model, REQUESTS, config, affix=cache)

@@ -25,9 +25,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from eval import lm_eval_data
 from eval.tasks import eval_split, get_task
 from eval.tasks.layouts import affix_text, request_texts
 
+# On one pytest-xdist worker: one server (its programs compiled once) for every test here.
+pytestmark = pytest.mark.xdist_group("serve")
 ROOT = Path(__file__).resolve().parents[1]
 BABI = eval_split(get_task("babi"), 0, 40)[1]
 CODEBOOK_SHOTS, CODEBOOK = eval_split(get_task("codebook"), 0, 40)
@@ -93,13 +96,18 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def _settle(url: str) -> dict[str, float]:
-    """Metrics once nothing is running or waiting (the engine thread frees blocks as it goes idle)."""
-    for _ in range(100):
+    """Metrics once nothing is in flight, running or waiting (the engine thread frees blocks as it
+    goes idle; its other numbers are from its last step, in flight is live)."""
+    deadline, last = time.time() + 120, None  # a loaded machine may still be cancelling or finishing requests
+    while True:
         m = _metrics(url)
-        if m["acache_requests_running"] == m["acache_requests_waiting"] == m["acache_pool_blocks_used"] == 0:
-            return m
-        time.sleep(0.1)
-    return m
+        idle = (m["acache_requests_inflight"] == m["acache_requests_running"] == m["acache_requests_waiting"]
+                == m["acache_pool_blocks_used"] == 0)
+        if idle and m == last:
+            return m  # idle, and nothing changed since the last look: the counters are final
+        last = m if idle else None
+        assert time.time() < deadline, f"the server never went idle: {m}"
+        time.sleep(0.25)
 
 
 def _distinct(examples, position: str, n: int) -> list:
@@ -322,7 +330,7 @@ def test_load_loses_nothing(server):
 
 def _readme_block(language: str) -> str:
     readme = (ROOT / "README.md").read_text()
-    return re.search(rf"^```{language}\n(.*?)^```", readme[readme.index("## Serving"):], re.S | re.M).group(1)
+    return re.search(rf"^```{language}\n(.*?)^```", readme[readme.index("## Serving\n"):], re.S | re.M).group(1)
 
 
 def test_the_readme_examples_and_the_openai_client(server):
@@ -340,6 +348,27 @@ def test_the_readme_examples_and_the_openai_client(server):
         exec(compile(code, "README.md", "exec"), {})  # noqa: S102 (the documented example itself)
     answer, cached = out.getvalue().rsplit(" ", 1)
     assert BABI[39].score(answer) and cached.strip() == "0"
+
+
+def test_lm_eval_runs_a_task_through_the_server(server, tmp_path):
+    """The README's lm-eval command: lm-eval's own `local-chat-completions` model pointed at the
+    server answers every arithmetic document as the same server answers that document's query (one
+    line each: no span recurs, so discovery serves both alike)."""
+    _, url = server
+    lm_eval_data.write(tmp_path / "data", ["arithmetic"], 8)
+    command = _readme_block("shell").strip().replace("localhost:8000", url.removeprefix("http://"))
+    run = subprocess.run(["bash", "-c", command.replace("out/lm_eval_server", str(tmp_path / "out"))], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ACACHE_LM_EVAL_DATA": str(tmp_path / "data"), "HF_DATASETS_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]["acache_arithmetic"]
+    samples = [json.loads(line) for line in next((tmp_path / "out").rglob("samples_*.jsonl")).read_text().splitlines()]
+    assert len(samples) == 8
+    for s in samples:
+        direct = _post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": s["doc"]["query"]}]})
+        assert s["resps"][0][0] == direct["choices"][0]["message"]["content"]
+    assert results["acc,none"] >= 0.75
+    assert _settle(url)["acache_pool_blocks_used"] == 0
 
 
 def test_sigterm_stops_cleanly(server):

@@ -27,7 +27,7 @@ from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.runner import Runner
 from acache_jax.engine.scheduler import Scheduler
 from acache_jax.engine.sequence import SequenceState
-from acache_jax.layout import Request, affix_token_ids, check_requests
+from acache_jax.layout import Request, RequestError, affix_token_ids, check_requests
 from acache_jax.model import Model
 from acache_jax.sharding import use_mesh
 
@@ -132,6 +132,8 @@ class Engine:
         if isinstance(affix, AffixCache):
             check_affix_cache(self.model, affix)
         affix_ids = None if affix is None else affix_token_ids(affix)
+        if affix_ids is not None and request.affix_position is None:
+            raise RequestError("an affix was given but the request has no affix_position (prefix / infix / suffix)")
         check_requests([request], gen_length, mcfg, affix_ids)
         seq = SequenceState.from_request(self._next_id, request, affix_ids if request.affix_position else None,
                                          gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)

@@ -77,7 +77,8 @@ def create_app(model: Model, base: DecodeConfig, worker: Worker, served_name: st
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(metrics_text(worker.snapshot, http), media_type="text/plain; version=0.0.4")
+        numbers = worker.snapshot | {"requests_inflight": float(worker.inflight)}
+        return PlainTextResponse(metrics_text(numbers, http), media_type="text/plain; version=0.0.4")
 
     async def handle(request: Request, chat: bool) -> Response:
         try:

@@ -109,6 +109,13 @@ class Worker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def inflight(self) -> int:
+        """Requests accepted and not yet answered, refused or cancelled: unlike the engine thread's
+        snapshot, this includes those it has not taken in yet (it may be compiling a new engine)."""
+        with self._lock:
+            return self._inflight
+
     # -- the engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -127,6 +134,7 @@ class Worker:
                     command = self._inbox.get_nowait()
                 except queue.Empty:
                     command = None
+            self._publish()  # what the commands changed (a cancel, a refusal) shows before the next step
             for key in list(self.engines):
                 if not self.engines[key].scheduler.idle:
                     self._step(key)
