@@ -1,8 +1,5 @@
 """The serving engine against the static path (tiny fp32 models), its compilation and pool limits."""
 
-import functools
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -14,7 +11,6 @@ from acache_jax.decode import generate
 from acache_jax.engine import Engine, RequestTooLargeError, runner
 from acache_jax.layout import Request, RequestError
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
 AFFIX = list(range(30, 53))  # 23 tokens
 REQUESTS = [
     Request([5, 17, 33, 2, 90], affix_position="prefix", seed=1),
@@ -25,22 +21,22 @@ REQUESTS = [
 ]
 
 
-@functools.cache
-def _load(name: str) -> acache_jax.Model:
-    return acache_jax.load(FIXTURES / "decode" / name, dtype="float32")
+@pytest.fixture(scope="module", params=["llada", "dream"])
+def model(request, fixtures_dir):
+    return acache_jax.load(fixtures_dir / "decode" / request.param, dtype="float32")
 
 
 # Every policy on LLaDA; on Dream (logits shifted, its own RoPE and biases) the two selective ones.
-@pytest.mark.parametrize("name,cache,extra", [("llada", "acache", dict(anchor_ratio=0.3, temperature=0.7)),
+@pytest.mark.parametrize("model,cache,extra", [("llada", "acache", dict(anchor_ratio=0.3, temperature=0.7)),
                                               ("llada", "dual", dict(temperature=0.7)),
                                               ("llada", "direct", dict(threshold=None, steps=8)),
                                               ("llada", "acache", dict(anchor_ratio=0.2, drop_non_anchor=True)),
                                               ("dream", "acache", dict(anchor_ratio=0.3, temperature=0.7)),
-                                              ("dream", "direct", dict(threshold=None, steps=8))])
-def test_engine_equals_static_path_in_any_order(name, cache, extra):
+                                              ("dream", "direct", dict(threshold=None, steps=8))],
+                         indirect=["model"])
+def test_engine_equals_static_path_in_any_order(model, cache, extra):
     """Same tokens, anchors and NFE as `generate`, with requests queued (batch 2), finishing at
     different times, and submitted in two different orders."""
-    model = _load(name)
     cfg = DecodeConfig(gen_length=16, block_length=8, cache=cache, **extra)
     static = generate(model, REQUESTS, cfg, affix=AFFIX)
     for order in (range(len(REQUESTS)), [3, 0, 4, 2, 1]):

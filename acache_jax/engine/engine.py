@@ -135,7 +135,7 @@ class Engine:
         if affix_ids is not None and request.affix_position is None:
             raise RequestError("an affix was given but the request has no affix_position (prefix / infix / suffix)")
         check_requests([request], gen_length, mcfg, affix_ids)
-        seq = SequenceState.from_request(self._next_id, request, affix_ids if request.affix_position else None,
+        seq = SequenceState.from_request(self._next_id, request, affix_ids,
                                          gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)
         self.scheduler.add(seq, cfg.anchors(seq.affix_len) if seq.shares_affix else 0)
         if seq.shares_affix:

@@ -125,6 +125,7 @@ class Worker:
                 command = self._inbox.get(block=not busy)
             except queue.Empty:
                 command = None
+            commanded = command is not None
             while command is not None:
                 if command[0] == "stop":
                     self._shutdown()
@@ -134,7 +135,8 @@ class Worker:
                     command = self._inbox.get_nowait()
                 except queue.Empty:
                     command = None
-            self._publish()  # what the commands changed (a cancel, a refusal) shows before the next step
+            if commanded:
+                self._publish()  # what the commands changed (a cancel, a refusal) shows before the next step
             for key in list(self.engines):
                 if not self.engines[key].scheduler.idle:
                     self._step(key)
