@@ -1,6 +1,6 @@
 """The serving engine, Fast-dLLM dual-cache baseline vs ACache side by side (the paper's tables 1-4).
 
-    python -m eval.bench_engine [--models llada,dream] [--batches 1,4,16] [--shots 1,2,4] [--meshes none,1x1] [--out DIR]
+    python -m eval.bench_engine [--models llada,dream] [--batches 1,4,16] [--shots 1,2,4] [--meshes none,1x1] [--cprofile N] [--out DIR]
 
 LLaDA-8B and Dream-7B shapes with random bf16 weights; per (model, shots, batch) both policies
 decode the same requests with the same weights: `batch` requests of a shared prefix affix of
@@ -100,6 +100,10 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
         profiled = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch, profile=True)
         profiled.generate(requests, affix)
         prof = profiled.stats.summary()
+        if args.cprofile:
+            print(f"{name} {shots}-shot B{batch} {policy}: host profile of a plain run", flush=True)
+            host_profile(lambda: Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch).generate(requests, affix),
+                         args.cprofile)
         probe_s = sum(t for kind, t in profiled.stats.packed if kind == "probe")
         row[policy] = dict(recompute_ms=1e3 * prof.get("recompute_median_s", 0.0),
                            decode_step_ms=1e3 * prof.get("decode_step_median_s", 0.0),
@@ -115,6 +119,16 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
     row["speedup"] = a["tokens_per_s"] / b["tokens_per_s"]
     row["kv_reduction"] = 1 - a["peak_kv_gb"] / b["peak_kv_gb"]
     return row
+
+
+def host_profile(run, top: int) -> None:
+    """Print the `top` functions by own time of one call of `run` (where the host's time goes)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def table(rows: list[dict]) -> str:
@@ -151,6 +165,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-s", type=float, default=None, help="time for compiling (default: half the budget)")
     ap.add_argument("--meshes", default="none", type=parse_meshes,
                     help="each model under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1 (rows model@tp1dp1)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="also run each case under cProfile and print its N functions of most own time")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     start = time.perf_counter()

@@ -1,6 +1,7 @@
 """Device side of the engine: the KV pool, and a plan turned into device inputs and run.
 
-An iteration is two jitted calls dispatched back to back, with one wait for both results:
+An iteration is two jitted calls dispatched back to back, each with its inputs in one int32
+buffer (`pack`), with one wait for both results:
 - the packed forward: every planned segment's tokens side by side on one token axis (probes of new
   requests, recomputes of requests at a block start, one in-block step of the others), padded to
   `layout.token_bucket` tokens (at most about 1/8 more), with the block commits and the probes'
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -111,10 +113,39 @@ class BlockLoop:
     positions: jax.Array  # [R, bl]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def packed_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool, step: PackedStep
-                ) -> tuple[KVPool, Commits, jax.Array | None]:
+class Packing(NamedTuple):
+    """Where each leaf of a pytree of 32-bit numpy arrays sits in one int32 buffer (static: hashable)."""
+
+    treedef: Any
+    leaves: tuple[tuple[tuple[int, ...], str], ...]  # (shape, dtype) per leaf, in buffer order
+
+
+def pack(tree: Any) -> tuple[Packing, np.ndarray]:
+    """A step's inputs as one int32 buffer: one host-to-device copy per iteration, not one per leaf
+    (each copy of a small array costs the host about as much as a large one)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    as_int = lambda a: a.astype(np.int32) if a.dtype == np.bool_ else np.ascontiguousarray(a).view(np.int32)
+    buffer = np.concatenate([as_int(np.asarray(a)).reshape(-1) for a in leaves])
+    return Packing(treedef, tuple((a.shape, np.asarray(a).dtype.str) for a in leaves)), buffer
+
+
+def unpack(packing: Packing, buffer: jax.Array) -> Any:
+    """The pytree `pack` made, on the device (inside the jitted step: the slices are free)."""
+    leaves, at = [], 0
+    for shape, dtype in packing.leaves:
+        n = math.prod(shape)
+        part, at = buffer[at:at + n].reshape(shape), at + n
+        dtype = np.dtype(dtype)
+        leaves.append(part != 0 if dtype == np.bool_ else part if dtype == np.int32
+                      else jax.lax.bitcast_convert_type(part, dtype))
+    return jax.tree.unflatten(packing.treedef, leaves)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, params: list[jax.Array], pool: KVPool,
+                buffer: jax.Array) -> tuple[KVPool, Commits, jax.Array | None]:
     """(pool after the writes, the segments after their commit, the probed segments' rankings)."""
+    step: PackedStep = unpack(packing, buffer)
     probing = step.probe_weight is not None
     access = PoolAccess(pool, step.write_slots, step.segment, step.reads, step.tiles, step.tile_segment,
                         step.probe_weight, probe_read=len(step.reads) - 1)
@@ -128,12 +159,15 @@ def packed_step(structure: Structure, cfg: DecodeConfig, params: list[jax.Array]
     return out.pool, step.commits.commit(out.logits, cfg, structure.config), ranking
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(3,))
-def block_loop(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool,
-               reads: tuple[ReadSet, ...], after: Commits, loop: BlockLoop) -> tuple[KVPool, Commits, jax.Array]:
-    """In-block steps of the loop rows until one of them has no mask left in its block.
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
+def block_loop(structure: Structure, cfg: DecodeConfig, step_packing: Packing, loop_packing: Packing,
+               params: list[jax.Array], pool: KVPool, step_buffer: jax.Array, loop_buffer: jax.Array,
+               after: Commits) -> tuple[KVPool, Commits, jax.Array]:
+    """In-block steps of the loop rows until one of them has no mask left in its block (the rows
+    read what they read in the packed step).
 
     Returns the pool, the rows' state and the number of steps run."""
+    reads, loop = unpack(step_packing, step_buffer).reads, unpack(loop_packing, loop_buffer)
     mask_id = structure.config.mask_token_id
     rows = jax.tree.map(lambda a: a[loop.rows], after)
     rows = dataclasses.replace(rows, active=rows.active & (loop.rows < reads[0].slots.shape[0] - 1))
@@ -162,8 +196,8 @@ def block_loop(structure: Structure, cfg: DecodeConfig, params: list[jax.Array],
 @functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
 def fill_affix(pool: KVPool, affix: AffixCache, slots: jax.Array, rope_theta: float) -> KVPool:
     """Store an affix cache (computed alone, as the static path does) in its shared slots [L], K
-    rotated at the affix's own positions 0..L-1."""
-    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype), mode="drop") for p, n in zip(rows, new))
+    rotated at the affix's own positions 0..L-1 (one program per affix length)."""
+    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype)) for p, n in zip(rows, new))
     return KVPool(put(pool.k, affix.rotated_k(rope_theta)), put(pool.v, affix.v))
 
 
@@ -206,13 +240,7 @@ class Runner:
         self.work: list[tuple[int, int, int]] = []
 
     def fill_affix(self, affix: AffixCache, slots: np.ndarray) -> None:
-        """Padded to `bucket(L)` rows (padding rows write nowhere): a few programs for every length."""
-        n, padded = affix.length, bucket(affix.length)
-        grow = lambda a: jnp.pad(a, ((0, padded - n), (0, 0), (0, 0)))
-        affix = AffixCache(tuple(map(grow, affix.k)), tuple(map(grow, affix.v)), jnp.pad(affix.ids, (0, padded - n)),
-                           affix.model_fingerprint)
-        slots = np.concatenate([slots, np.full(padded - n, self.pool.num_slots, np.int32)])
-        self.pool = fill_affix(self.pool, affix, jnp.asarray(slots), self.model.config.rope_theta)
+        self.pool = fill_affix(self.pool, affix, jnp.asarray(slots, jnp.int32), self.model.config.rope_theta)
 
     def _read_sets(self, plan: Plan, n_rows: int) -> tuple[tuple[ReadSet, ...], np.ndarray]:
         """Per segment (then empty rows): its private slots, and under acache its shared affix slots;
@@ -254,8 +282,6 @@ class Runner:
         segment = np.full(m, -1, np.int32)
         weight = np.zeros(m, np.float32)
         logit_index = np.zeros((n_rows, bl), np.int32)
-        tiles, tile_segment = [], []
-        q = self.tile_tokens
         for i, (seq, cols, start) in enumerate(zip(seqs, columns, starts)):
             span = slice(start, start + len(cols))
             tokens[span], positions[span], segment[span] = seq.tokens[cols], cols, i
@@ -264,16 +290,20 @@ class Runner:
                 weight[span] = seq.tokens[cols] == mask_id
             else:
                 logit_index[i] = start + np.searchsorted(cols, seq.block_columns)
-            for t0 in range(0, len(cols), q):
-                tiles.append(np.arange(start + t0, start + min(t0 + q, len(cols))))
-                tile_segment.append(i)
-        # As many tiles as any plan with this token bucket and row count can need (each segment adds
-        # at most one partial tile), so the tile count adds no program shapes of its own.
+        # Query tiles of q tokens from each segment's start (its last one partial). As many tiles as
+        # any plan with this token bucket and row count can need (each segment adds at most one
+        # partial tile), so the tile count adds no program shapes of its own.
+        q = self.tile_tokens
+        counts = -(-lengths // q)
         n_tiles = m // q + n_rows
-        assert len(tiles) <= n_tiles, (len(tiles), n_tiles)
-        tile_rows = _rows(tiles, q, n_tiles, m)
+        assert counts.sum() <= n_tiles, (counts.sum(), n_tiles)
+        first_tile = np.repeat(np.cumsum(counts) - counts, counts)
+        tile_start = np.repeat(starts, counts) + q * (np.arange(counts.sum()) - first_tile)
+        tile_tokens = tile_start[:, None] + np.arange(q)[None]
+        tile_rows = np.full((n_tiles, q), m, np.int32)
+        tile_rows[:len(tile_start)] = np.where(tile_tokens < np.repeat(starts + lengths, counts)[:, None], tile_tokens, m)
         tile_seg = np.full(n_tiles, n_rows - 1, np.int32)
-        tile_seg[:len(tile_segment)] = tile_segment
+        tile_seg[:len(tile_start)] = np.repeat(np.arange(len(seqs)), counts)
         commits = self._commits(seqs, n_rows, block_start=[False] * len(plan.probe) + [True] * len(plan.recompute)
                                 + [False] * len(plan.decode), active=[not s.needs_probe for s in seqs])
         self.forward_tokens += m_real
@@ -310,24 +340,21 @@ class Runner:
         # block's logits, once per iteration.
         n_rows = row_bucket(self.max_batch) + 1
         reads, keys = self._read_sets(plan, n_rows)
-        step = jax.device_put(self._packed(plan, reads, keys, n_rows))  # built in numpy, copied in one call
+        step_packing, step_buffer = pack(self._packed(plan, reads, keys, n_rows))
+        loop_packing, loop_buffer = pack(self._loop(plan, n_rows)) if plan.loop else (None, None)
+        step_buffer, loop_buffer = jax.device_put((step_buffer, loop_buffer))  # the iteration's only copy in
         start = called = time.perf_counter()
-        self.pool, after, ranking = packed_step(self.structure, cfg, self.params, self.pool, step)
+        self.pool, after, ranking = packed_step(self.structure, cfg, step_packing, self.params, self.pool, step_buffer)
         if self.profile:
             jax.block_until_ready(after)
             kinds = "+".join(k for k, v in (("probe", plan.probe), ("recompute", plan.recompute),
                                             ("decode", plan.decode)) if v)
             self.timings.packed.append((kinds, time.perf_counter() - start))
             start = time.perf_counter()
-        count = 0
-        rows = None
-        self.device_seconds += time.perf_counter() - called
+        rows, count = None, 0
         if plan.loop:
-            loop = jax.device_put(self._loop(plan, n_rows))
-            called = time.perf_counter()
-            self.pool, rows, count = block_loop(self.structure, cfg, self.params, self.pool, step.reads, after, loop)
-        else:
-            called = time.perf_counter()
+            self.pool, rows, count = block_loop(self.structure, cfg, step_packing, loop_packing, self.params, self.pool,
+                                                step_buffer, loop_buffer, after)
         rows, count, ranking, after = jax.device_get((rows, count, ranking, after))
         self.device_seconds += time.perf_counter() - called
         if self.profile and plan.loop:
