@@ -19,6 +19,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from acache_jax.config import SELECTORS, ModelConfig
@@ -45,17 +46,16 @@ def build_affix_cache(model: Model, affix_ids, bucketed: bool = False) -> AffixC
     bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
     if bad:
         raise RequestError(f"affix token ids outside the vocabulary [0, {model.config.vocab_size}): {bad[:5]}")
-    tokens = jnp.asarray([ids], jnp.int32)
-    if not bucketed:
-        out = model.forward(tokens, ForwardInputs(jnp.arange(len(ids), dtype=jnp.int32)[None]), with_logits=False)
-        cache = AffixCache(tuple(k[0] for k in out.k), tuple(v[0] for v in out.v), tokens[0], model.fingerprint)
-        return place_kv(cache, model.mesh)
-    n, padded = len(ids), bucket(len(ids))
-    valid = jnp.arange(padded)[None] < n
-    out = model.forward(jnp.pad(tokens, ((0, 0), (0, padded - n)), constant_values=model.config.pad_token_id),
-                        ForwardInputs(jnp.arange(padded, dtype=jnp.int32)[None], valid), with_logits=False)
+    n = len(ids)
+    padded = bucket(n) if bucketed else n
+    tokens = np.full((1, padded), model.config.pad_token_id, np.int32)
+    tokens[0, :n] = ids
+    out = model.forward(jnp.asarray(tokens), ForwardInputs(jnp.arange(padded, dtype=jnp.int32)[None],
+                                                           jnp.arange(padded)[None] < n if bucketed else None),
+                        with_logits=False)
     k, v = _first_rows(out.k, out.v, n)
-    return place_kv(AffixCache(k, v, tokens[0], model.fingerprint), model.mesh)
+    tokens = jnp.asarray(tokens[0, :n])
+    return place_kv(AffixCache(k, v, tokens, model.fingerprint), model.mesh)
 
 
 @functools.partial(jax.jit, static_argnums=2)

@@ -138,6 +138,7 @@ class Engine:
         seq = SequenceState.from_request(self._next_id, request, affix_ids,
                                          gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)
         self.scheduler.add(seq, cfg.anchors(seq.affix_len) if seq.shares_affix else 0)
+        self.runner.reserve(seq)
         if seq.shares_affix:
             if not isinstance(self._affixes.get(seq.affix_key), AffixCache):
                 self._affixes[seq.affix_key] = affix if isinstance(affix, AffixCache) else affix_ids

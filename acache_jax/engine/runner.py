@@ -159,15 +159,15 @@ def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, param
     return out.pool, step.commits.commit(out.logits, cfg, structure.config), ranking
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnums=(5,))
-def block_loop(structure: Structure, cfg: DecodeConfig, step_packing: Packing, loop_packing: Packing,
-               params: list[jax.Array], pool: KVPool, step_buffer: jax.Array, loop_buffer: jax.Array,
-               after: Commits) -> tuple[KVPool, Commits, jax.Array]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
+def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params: list[jax.Array], pool: KVPool,
+               buffer: jax.Array, after: Commits) -> tuple[KVPool, Commits, jax.Array]:
     """In-block steps of the loop rows until one of them has no mask left in its block (the rows
-    read what they read in the packed step).
+    read what they read in the packed step: the buffer holds the read sets and the `BlockLoop`,
+    so the program depends on the read widths and the loop's rows, not on the token bucket).
 
     Returns the pool, the rows' state and the number of steps run."""
-    reads, loop = unpack(step_packing, step_buffer).reads, unpack(loop_packing, loop_buffer)
+    reads, loop = unpack(packing, buffer)
     mask_id = structure.config.mask_token_id
     rows = jax.tree.map(lambda a: a[loop.rows], after)
     rows = dataclasses.replace(rows, active=rows.active & (loop.rows < reads[0].slots.shape[0] - 1))
@@ -242,6 +242,15 @@ class Runner:
     def fill_affix(self, affix: AffixCache, slots: np.ndarray) -> None:
         self.pool = fill_affix(self.pool, affix, jnp.asarray(slots, jnp.int32), self.model.config.rope_theta)
 
+    def reserve(self, seq: SequenceState) -> None:
+        """Widen the read sets for a queued request (its private columns; under acache its affix,
+        which its probe reads whole). Widths only grow over the runner's life: the rows past a
+        segment's length are never read, and a width that changed with every mix of requests would
+        compile a program per mix; sized when requests are queued, not when first scheduled, they
+        change once for a queue of requests rather than as each longer one starts."""
+        needed = (seq.num_private(seq.num_anchors), seq.affix_len if seq.shares_affix else 0)
+        self.read_widths = [max(w, bucket(max(1, n))) for w, n in zip(self.read_widths, needed)]
+
     def _read_sets(self, plan: Plan, n_rows: int) -> tuple[tuple[ReadSet, ...], np.ndarray]:
         """Per segment (then empty rows): its private slots, and under acache its shared affix slots;
         and the number of keys each segment reads."""
@@ -258,11 +267,7 @@ class Runner:
             offsets[:len(plan.segments)] = [s.row.affix_start for s in plan.segments]
             sets.append((shared, offsets))
         keys = sum(np.asarray([len(x) for x in v]) for v, _ in sets)
-        # Read-set widths only grow over the runner's life: the rows past a segment's length are
-        # never read, and a width that changed with every mix of requests would compile a program
-        # per mix.
-        for i, (v, _) in enumerate(sets):
-            self.read_widths[i] = max(self.read_widths[i], bucket(max(1, max(map(len, v), default=1))))
+        assert all(len(x) <= w for w, (v, _) in zip(self.read_widths, sets) for x in v), "a request was not reserved"
         return tuple(ReadSet(_rows(v, w, n_rows, 0), np.asarray([len(x) for x in v] + [0] * (n_rows - len(v)), np.int32),
                              off) for w, (v, off) in zip(self.read_widths, sets)), keys
 
@@ -341,8 +346,8 @@ class Runner:
         n_rows = row_bucket(self.max_batch) + 1
         reads, keys = self._read_sets(plan, n_rows)
         step_packing, step_buffer = pack(self._packed(plan, reads, keys, n_rows))
-        loop_packing, loop_buffer = pack(self._loop(plan, n_rows)) if plan.loop else (None, None)
-        step_buffer, loop_buffer = jax.device_put((step_buffer, loop_buffer))  # the iteration's only copy in
+        loop_packing, loop_buffer = pack((reads, self._loop(plan, n_rows))) if plan.loop else (None, None)
+        step_buffer, loop_buffer = jax.device_put((step_buffer, loop_buffer))  # the inputs, in one call
         start = called = time.perf_counter()
         self.pool, after, ranking = packed_step(self.structure, cfg, step_packing, self.params, self.pool, step_buffer)
         if self.profile:
@@ -353,8 +358,8 @@ class Runner:
             start = time.perf_counter()
         rows, count = None, 0
         if plan.loop:
-            self.pool, rows, count = block_loop(self.structure, cfg, step_packing, loop_packing, self.params, self.pool,
-                                                step_buffer, loop_buffer, after)
+            self.pool, rows, count = block_loop(self.structure, cfg, loop_packing, self.params, self.pool, loop_buffer,
+                                                after)
         rows, count, ranking, after = jax.device_get((rows, count, ranking, after))
         self.device_seconds += time.perf_counter() - called
         if self.profile and plan.loop:
