@@ -315,3 +315,24 @@ def test_random_arrivals_and_finishes_keep_the_pool_safe(data, num_blocks, block
             break
     assert sched.idle and bm.num_free_blocks == num_blocks
     assert all(bm.refcount(key) == 0 for key in AFFIX_LENS)
+
+
+def test_step_inputs_travel_in_one_buffer_and_come_back_exactly():
+    """`runner.pack` / `unpack`: every leaf of a step's inputs (int32, uint32 seeds past 2^31, bool,
+    float32 with signs and non-finite values, an absent leaf) returns bit for bit inside jit."""
+    import jax
+
+    from acache_jax.engine.runner import pack, unpack
+
+    tree = dict(ids=np.arange(-3, 9, dtype=np.int32).reshape(3, 4), seeds=np.asarray([0, 2**31 + 5, 2**32 - 1], np.uint32),
+                active=np.asarray([True, False, True]), weight=np.asarray([-1.5, np.inf, np.nan, 0.0], np.float32),
+                probe=None, scalar=np.int32(7))
+    packing, buffer = pack(tree)
+    assert buffer.dtype == np.int32 and buffer.ndim == 1
+    back = jax.jit(unpack, static_argnums=0)(packing, buffer)
+    assert back["probe"] is None
+    for name in ("ids", "seeds", "active", "weight", "scalar"):
+        got = np.asarray(back[name])
+        assert got.dtype == np.asarray(tree[name]).dtype and got.shape == np.shape(tree[name]), name
+        bits = lambda a: np.atleast_1d(a).view(np.uint8)
+        np.testing.assert_array_equal(bits(got), bits(np.asarray(tree[name])), err_msg=name)
