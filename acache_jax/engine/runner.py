@@ -228,7 +228,7 @@ class Runner:
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
         self.profile = profile
-        self.read_widths = [0, 0]  # per read set (private, shared): the widest so far
+        self.read_widths = [0, 0]  # per read set (private, shared): wide enough for every request queued so far
         self.timings = Timings()
         self.forward_tokens = 0  # tokens the forwards computed, padding excluded
         self.padded_tokens = 0  # tokens the forwards computed, padding included
