@@ -54,8 +54,7 @@ def build_affix_cache(model: Model, affix_ids, bucketed: bool = False) -> AffixC
                                                            jnp.arange(padded)[None] < n if bucketed else None),
                         with_logits=False)
     k, v = _first_rows(out.k, out.v, n)
-    tokens = jnp.asarray(tokens[0, :n])
-    return place_kv(AffixCache(k, v, tokens, model.fingerprint), model.mesh)
+    return place_kv(AffixCache(k, v, jnp.asarray(ids, jnp.int32), model.fingerprint), model.mesh)
 
 
 @functools.partial(jax.jit, static_argnums=2)

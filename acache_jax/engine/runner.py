@@ -124,9 +124,10 @@ def pack(tree: Any) -> tuple[Packing, np.ndarray]:
     """A step's inputs as one int32 buffer: one host-to-device copy per iteration, not one per leaf
     (each copy of a small array costs the host about as much as a large one)."""
     leaves, treedef = jax.tree.flatten(tree)
+    leaves = [np.asarray(a) for a in leaves]
     as_int = lambda a: a.astype(np.int32) if a.dtype == np.bool_ else np.ascontiguousarray(a).view(np.int32)
-    buffer = np.concatenate([as_int(np.asarray(a)).reshape(-1) for a in leaves])
-    return Packing(treedef, tuple((a.shape, np.asarray(a).dtype.str) for a in leaves)), buffer
+    buffer = np.concatenate([as_int(a).reshape(-1) for a in leaves])
+    return Packing(treedef, tuple((a.shape, a.dtype.str) for a in leaves)), buffer
 
 
 def unpack(packing: Packing, buffer: jax.Array) -> Any:
@@ -304,9 +305,9 @@ class Runner:
         assert counts.sum() <= n_tiles, (counts.sum(), n_tiles)
         first_tile = np.repeat(np.cumsum(counts) - counts, counts)
         tile_start = np.repeat(starts, counts) + q * (np.arange(counts.sum()) - first_tile)
-        tile_tokens = tile_start[:, None] + np.arange(q)[None]
+        token_index = tile_start[:, None] + np.arange(q)[None]
         tile_rows = np.full((n_tiles, q), m, np.int32)
-        tile_rows[:len(tile_start)] = np.where(tile_tokens < np.repeat(starts + lengths, counts)[:, None], tile_tokens, m)
+        tile_rows[:len(tile_start)] = np.where(token_index < np.repeat(starts + lengths, counts)[:, None], token_index, m)
         tile_seg = np.full(n_tiles, n_rows - 1, np.int32)
         tile_seg[:len(tile_start)] = np.repeat(np.arange(len(seqs)), counts)
         commits = self._commits(seqs, n_rows, block_start=[False] * len(plan.probe) + [True] * len(plan.recompute)
