@@ -10,9 +10,11 @@ one of `--spans` few-shot blocks (examples of a seeded task world; `--shots` exa
 start (prefix) or inside (infix, with the lines around it); every request has its own question.
 No affix is declared: only discovery can find the blocks. With `--shape` the weights are random
 (LLaDA-8B / Dream-7B shapes, bf16) and decoding follows a fixed schedule of `--tokens-per-step`;
-texts are tokenized with the shipped tokenizer (ids valid in any vocabulary). A warm-up pass of the
-same requests compiles the programs before each measured pass. Reports per setting: requests/s,
-generated tokens/s, the fraction of prompt tokens read from a shared cache, latency p50 / p99.
+texts are tokenized with the shipped tokenizer (ids valid in any vocabulary). Warm-up passes of the
+same requests compile the programs before each measured pass (until one compiles nothing, at most
+`--warmup-passes`: concurrent clients batch the requests differently in every pass). Reports per
+setting: requests/s, generated tokens/s, the fraction of prompt tokens read from a shared cache,
+latency p50 / p99, and what the measured pass still compiled.
 `--compare early-stop` runs early stop off and on instead (discovery on in both): what the
 server saves by ending requests whose answer has ended.
 """
@@ -33,6 +35,7 @@ import numpy as np
 from acache_jax.checkpoint import load
 from acache_jax.files import check_output_path, write_atomic
 from acache_jax.generate import DEFAULT_MODEL
+from eval.bench_traffic import counting_compiles, shaped_model
 
 
 def workload(n: int, spans: int, shots: int, recurring: float, rng: np.random.Generator) -> list[str]:
@@ -134,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=int, default=64, help="discovery: tokens a span must have")
     p.add_argument("--compare", choices=["discovery", "early-stop"], default="discovery",
                    help="what the two passes differ in: discovery off/on, or early stop off/on (discovery on)")
+    p.add_argument("--warmup-passes", type=int, default=3, help="at most this many before each measured pass")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the result here")
     return p
@@ -147,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
         check_output_path(args.json)
     shipped = load(args.model or DEFAULT_MODEL)
     if args.shape:
-        from eval.bench_traffic import shaped_model
-
         model = dataclasses.replace(shaped_model(args.shape, args.layers), tokenizer=shipped.tokenizer)
         base = model.decode_config(gen_length=args.max_tokens, block_length=args.block, threshold=None,
                                    steps=args.max_tokens // args.tokens_per_step, cache="acache")
@@ -166,9 +168,16 @@ def main(argv: list[str] | None = None) -> int:
                             min_tokens=args.min_tokens, finish_early=early)
         server = InProcessServer(model, base.replace(early_stop=early), settings, name)
         try:
-            drive(server.url, name, prompts, args.clients, args.max_tokens)  # warm-up: compiles every program
-            server.worker.reset_discovery()  # the measured pass discovers afresh
-            result[label] = drive(server.url, name, prompts, args.clients, args.max_tokens)
+            for _ in range(args.warmup_passes):
+                with counting_compiles() as warm:
+                    drive(server.url, name, prompts, args.clients, args.max_tokens)
+                server.worker.reset_discovery()  # the next pass discovers afresh
+                print(json.dumps({label: "warm-up", **warm}), flush=True)
+                if not warm["compiles"]:
+                    break
+            with counting_compiles() as compiled:
+                result[label] = drive(server.url, name, prompts, args.clients, args.max_tokens)
+            result[label].update(compiled)
         finally:
             server.close()
         print(json.dumps({label: result[label]}), flush=True)

@@ -16,8 +16,10 @@ Reports generated tokens/s over the whole run and request latency (arrival to fi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +67,26 @@ def shaped_model(shape: str, layers: int | None = None):
     from eval.bench_engine import dream_7b
 
     return random_model((llada_8b if shape == "llada" else dream_7b)(layers or (32 if shape == "llada" else 28)))
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[dict]:
+    """Counts the XLA compilations (and their seconds) while the block runs: a pass that compiles
+    measures the compiler, not the engine, so each pass reports what it compiled."""
+    import jax
+
+    seen = dict(compiles=0, compile_s=0.0)
+
+    def listen(event: str, seconds: float, **_) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen["compiles"] += 1
+            seen["compile_s"] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def serve(model, config, workload, arrivals: np.ndarray, max_batch: int, pool_tokens: int) -> dict:
@@ -134,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         serve(model, config, workload, np.zeros(len(workload)), args.max_batch, pool_tokens)  # compile, all at once
         serve(model, config, workload[: args.max_batch], arrivals[: args.max_batch] - arrivals[0], args.max_batch,
               pool_tokens)  # and the shapes of a trickle
-        result[name] = serve(model, config, workload, arrivals, args.max_batch, pool_tokens)
+        with counting_compiles() as compiled:
+            result[name] = serve(model, config, workload, arrivals, args.max_batch, pool_tokens)
+        result[name].update(compiled)
         print(json.dumps({name: result[name]}), flush=True)
     result["speedup"] = result["acache"]["tokens_per_s"] / result["baseline"]["tokens_per_s"]
     print(json.dumps(result))

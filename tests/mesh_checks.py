@@ -201,7 +201,7 @@ def check_hlo(workdir: Path) -> None:
     whole = {tuple(leaf.shape) for _, leaf in nnx_leaves(model)}
     with use_mesh(model.mesh):
         tokens = jax.numpy.zeros((2, 16), jax.numpy.int32)
-        dense = _jit_forward.lower(model.graphdef, model.params, tokens,
+        dense = _jit_forward.lower(*model.flat, tokens,
                                    ForwardInputs(jax.numpy.broadcast_to(jax.numpy.arange(16), (2, 16)))).compile()
     found = collectives(dense.as_text())
     assert [kind for _, kind in found] == ["all-reduce"] * (2 * layers + 1), found

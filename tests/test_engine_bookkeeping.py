@@ -336,3 +336,32 @@ def test_step_inputs_travel_in_one_buffer_and_come_back_exactly():
         assert got.dtype == np.asarray(tree[name]).dtype and got.shape == np.shape(tree[name]), name
         bits = lambda a: np.atleast_1d(a).view(np.uint8)
         np.testing.assert_array_equal(bits(got), bits(np.asarray(tree[name])), err_msg=name)
+
+
+def test_a_step_runs_on_a_compiled_token_axis_within_the_padding_bound():
+    """`Runner.token_axis`: a step reuses the shortest axis already run (same read widths, same probe
+    use) of at most REUSE_PADDING x its tokens, else compiles its `token_bucket`; over random
+    traffic that is far fewer programs than one per bucket."""
+    from types import SimpleNamespace
+
+    from acache_jax.engine.runner import REUSE_PADDING, Runner
+    from acache_jax.layout import token_bucket
+
+    runner = SimpleNamespace(read_widths=[64, 32], _token_axes={})
+    axis = lambda n, probing=False: Runner.token_axis(runner, n, probing)
+    assert axis(300) == token_bucket(300) == 320
+    assert axis(250) == 320  # 320 <= 1.5 x 250
+    assert axis(200) == token_bucket(200) == 208  # 320 > 1.5 x 200
+    assert axis(220) == 320 and axis(150) == 208  # the shortest that fits
+    assert axis(210) == token_bucket(210) == 224  # 320 > 1.5 x 210
+    assert axis(250, probing=True) == token_bucket(250)  # a probing step is another program
+    runner.read_widths = [128, 32]
+    assert axis(250) == token_bucket(250)  # so is one with other read widths
+
+    rng = np.random.default_rng(0)
+    runner = SimpleNamespace(read_widths=[64, 32], _token_axes={})
+    counts = rng.integers(16, 5000, size=2000)
+    axes = [axis(int(n)) for n in counts]
+    assert all(n <= m <= max(token_bucket(int(n)), REUSE_PADDING * n) for n, m in zip(counts, axes))
+    assert len(set(axes)) < 0.5 * len({token_bucket(int(n)) for n in counts})
+    assert {axis(int(n)) for n in counts} <= set(axes)  # a second pass compiles nothing new

@@ -4,8 +4,8 @@ An iteration is two jitted calls dispatched back to back, each with its inputs i
 buffer (`pack`), with one wait for both results:
 - the packed forward: every planned segment's tokens side by side on one token axis (probes of new
   requests, recomputes of requests at a block start, one in-block step of the others), padded to
-  `layout.token_bucket` tokens (at most about 1/8 more), with the block commits and the probes'
-  rankings;
+  a token axis (`Runner.token_axis`: `layout.token_bucket`, at most about 1/8 more, or an axis
+  already compiled, at most 1.5x), with the block commits and the probes' rankings;
 - the block loop: in-block steps of the recomputed and decoding requests, on the device, until
   one of them has finished its block.
 Tokens write their K/V into the pool and read their request's slots (acache_jax/kv.py); padding
@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from acache_jax import sampling
 from acache_jax.acache import anchor_ranking
@@ -32,30 +31,12 @@ from acache_jax.engine.scheduler import Plan, StepOutput
 from acache_jax.engine.sequence import SequenceState
 from acache_jax.kv import AffixCache, KVPool, PoolAccess, ReadSet, flat_index, rows_access
 from acache_jax.layout import bucket, row_bucket, token_bucket
-from acache_jax.model import ForwardInputs
-from acache_jax.model import forward as model_forward
+from acache_jax.model import ForwardInputs, Structure
 
 TILE_ROWS = 128  # query rows per attention tile (tokens x the query heads of one kv head)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Structure:
-    """A model's structure as a static argument of the steps, hashed by identity (hashing a graphdef
-    walks the module tree), with the parameters passed as a flat list of arrays (flattening an
-    nnx.State runs Python per variable): together milliseconds per call for a 32-layer model."""
-
-    graphdef: nnx.GraphDef
-    treedef: Any  # the parameters' treedef
-    config: ModelConfig
-
-    def forward(self, leaves: list[jax.Array], tokens: jax.Array, inputs: ForwardInputs, **kwargs: Any):
-        return model_forward(self.graphdef, jax.tree.unflatten(self.treedef, leaves), tokens, inputs, **kwargs)
-
-
-@functools.cache
-def structure(graphdef: nnx.GraphDef, treedef: Any, config: ModelConfig) -> Structure:
-    """One Structure per distinct model structure, so every engine over a model reuses the compiled steps."""
-    return Structure(graphdef, treedef, config)
+# A packed step may run on an already compiled token axis up to this many times its tokens long
+# rather than compile its own bucket (see Runner.token_axis).
+REUSE_PADDING = 1.5
 
 
 @jax.tree_util.register_dataclass
@@ -223,13 +204,13 @@ class Runner:
 
     def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, profile: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
-        self.params, treedef = jax.tree.flatten(model.params)
-        self.structure = structure(model.graphdef, treedef, model.config)
+        self.structure, self.params = model.flat
         self.pool = KVPool.zeros(model.config, num_slots, model.dtype, model.mesh)
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
         self.profile = profile
         self.read_widths = [0, 0]  # per read set (private, shared): wide enough for every request queued so far
+        self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
         self.timings = Timings()
         self.forward_tokens = 0  # tokens the forwards computed, padding excluded
         self.padded_tokens = 0  # tokens the forwards computed, padding included
@@ -251,6 +232,20 @@ class Runner:
         change once for a queue of requests rather than as each longer one starts."""
         needed = (seq.num_private(seq.num_anchors), seq.affix_len if seq.shares_affix else 0)
         self.read_widths = [max(w, bucket(max(1, n))) for w, n in zip(self.read_widths, needed)]
+
+    def token_axis(self, n: int, probing: bool) -> int:
+        """The packed axis for a step of n tokens: the shortest one this runner has already run (with
+        these read widths and the same probe use) that is at most REUSE_PADDING x n long, else
+        `token_bucket(n)`. Under traffic the token count changes every iteration; a program per
+        bucket would compile for seconds (a minute at 8B) whenever a new count appears, while
+        padding costs only the padded tokens' projections and MLP. Deterministic: the same
+        sequence of plans picks the same axes."""
+        sizes = self._token_axes.setdefault((*self.read_widths, probing), [])
+        fit = [m for m in sizes if n <= m <= REUSE_PADDING * n]
+        if fit:
+            return min(fit)
+        sizes.append(token_bucket(n))
+        return sizes[-1]
 
     def _read_sets(self, plan: Plan, n_rows: int) -> tuple[tuple[ReadSet, ...], np.ndarray]:
         """Per segment (then empty rows): its private slots, and under acache its shared affix slots;
@@ -281,7 +276,7 @@ class Runner:
         lengths = np.asarray([len(c) for c in columns])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         m_real = int(lengths.sum())
-        m = token_bucket(m_real)
+        m = self.token_axis(m_real, bool(plan.probe))
         tokens = np.full(m, self.model.config.pad_token_id, np.int32)
         positions = np.zeros(m, np.int32)
         write = np.full(m, self.pool.num_slots, np.int32)
