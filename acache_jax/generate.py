@@ -17,10 +17,13 @@ request on stdout, statistics included).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -246,6 +249,23 @@ def _jobs(model: Model, args: argparse.Namespace) -> list[_Job]:
     return jobs
 
 
+@contextlib.contextmanager
+def _sigint_deferred() -> Iterator[None]:
+    """Ctrl-C inside the block takes effect when it ends. (Masking the signal is not enough: one
+    that arrived just before the mask raises KeyboardInterrupt at the next bytecode inside.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 class _Output:
     """Prints results in input order as soon as each and all earlier ones are done (flushed)."""
 
@@ -256,13 +276,9 @@ class _Output:
     def put(self, i: int, row: dict[str, Any]) -> None:
         self._pending[i] = row
         while self.done in self._pending:
-            # Ctrl-C waits for the line being printed: no torn line, and `done` counts what is out.
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
+            with _sigint_deferred():  # no torn line, and `done` counts exactly what is out
                 self._print(self._pending.pop(self.done))
                 self.done += 1
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     def _print(self, r: dict[str, Any]) -> None:
         if self.as_json:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import time
 from collections.abc import Iterator
@@ -69,24 +70,34 @@ def shaped_model(shape: str, layers: int | None = None):
     return random_model((llada_8b if shape == "llada" else dream_7b)(layers or (32 if shape == "llada" else 28)))
 
 
+_COMPILED = dict(compiles=0, compile_s=0.0)  # every XLA compilation of this process so far
+
+
+def _count_compile(event: str, seconds: float, **_) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILED["compiles"] += 1
+        _COMPILED["compile_s"] += seconds
+
+
+@functools.cache
+def _listen() -> None:
+    """One listener for the process: nothing to unregister."""
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
 @contextlib.contextmanager
 def counting_compiles() -> Iterator[dict]:
     """Counts the XLA compilations (and their seconds) while the block runs: a pass that compiles
     measures the compiler, not the engine, so each pass reports what it compiled."""
-    import jax
-
-    seen = dict(compiles=0, compile_s=0.0)
-
-    def listen(event: str, seconds: float, **_) -> None:
-        if event == "/jax/core/compile/backend_compile_duration":
-            seen["compiles"] += 1
-            seen["compile_s"] += seconds
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
+    _listen()
+    before = dict(_COMPILED)
+    seen = {}
     try:
         yield seen
     finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+        seen.update((k, _COMPILED[k] - before[k]) for k in ("compiles", "compile_s"))
 
 
 def serve(model, config, workload, arrivals: np.ndarray, max_batch: int, pool_tokens: int) -> dict:

@@ -153,3 +153,18 @@ def test_outputs_are_checked_before_the_work(tmp_path):
     run = subprocess.run([sys.executable, "-m", "eval.accuracy", "--model", "acache_jax/models/llada-small",
                           "--json", str(tmp_path), "-n", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "is a directory" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_ctrl_c_while_a_result_prints_takes_effect_after_it():
+    """The CLI prints each result and counts it with Ctrl-C deferred: the interrupt lands after the
+    block (and the handler in place before it is back)."""
+    from acache_jax.generate import _sigint_deferred
+
+    before = signal.getsignal(signal.SIGINT)
+    finished = []
+    with pytest.raises(KeyboardInterrupt):
+        with _sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs between these bytecodes
+            finished.append(True)
+    assert finished == [True] and signal.getsignal(signal.SIGINT) is before
