@@ -28,14 +28,13 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 
 from acache_jax.checkpoint import load
 from acache_jax.files import check_output_path, write_atomic
 from acache_jax.generate import DEFAULT_MODEL
-from eval.bench_traffic import counting_compiles, shaped_model
+from eval.bench_traffic import add_common_flags, counting_compiles, shaped_model
 
 
 def workload(n: int, spans: int, shots: int, recurring: float, rng: np.random.Generator) -> list[str]:
@@ -121,25 +120,17 @@ def drive(url: str, name: str, prompts: list[str], clients: int, max_tokens: int
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.bench_serve", description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", type=Path, help="a model directory (default: the shipped model)")
-    src.add_argument("--shape", choices=["llada", "dream"], help="8B-shaped random weights (fixed schedule)")
-    p.add_argument("--layers", type=int, help="--shape: fewer layers (smoke runs)")
-    p.add_argument("--requests", type=int, default=200)
+    add_common_flags(p, model_help="a model directory (default: the shipped model)", model_required=False,
+                     requests=200)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--spans", type=int, default=4, help="distinct recurring few-shot blocks")
     p.add_argument("--shots", type=int, default=4, help="examples per block")
     p.add_argument("--recurring", type=float, default=0.75, help="fraction of requests holding a block")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--block", type=int, default=32)
-    p.add_argument("--tokens-per-step", type=int, default=8, help="--shape: the fixed schedule")
-    p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--min-tokens", type=int, default=64, help="discovery: tokens a span must have")
     p.add_argument("--compare", choices=["discovery", "early-stop"], default="discovery",
                    help="what the two passes differ in: discovery off/on, or early stop off/on (discovery on)")
     p.add_argument("--warmup-passes", type=int, default=3, help="at most this many before each measured pass")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", type=Path, help="also write the result here")
     return p
 
 

@@ -125,21 +125,28 @@ def serve(model, config, workload, arrivals: np.ndarray, max_batch: int, pool_to
                 / max(1, engine.stats.forward_tokens), host_fraction=engine.stats.host_seconds / engine.stats.seconds)
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.bench_traffic", description=__doc__.splitlines()[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", type=Path, help="a model directory (threshold decoding on task questions)")
+def add_common_flags(p: argparse.ArgumentParser, *, model_help: str, model_required: bool, requests: int) -> None:
+    """The flags of both traffic benchmarks (this one and eval.bench_serve): what model, how many
+    requests, the schedule under --shape, the batch, the seed and where the result goes."""
+    src = p.add_mutually_exclusive_group(required=model_required)
+    src.add_argument("--model", type=Path, help=model_help)
     src.add_argument("--shape", choices=["llada", "dream"], help="8B-shaped random weights (fixed schedule)")
     p.add_argument("--layers", type=int, help="--shape: fewer layers (smoke runs)")
-    p.add_argument("--requests", type=int, default=120)
-    p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (Poisson)")
-    p.add_argument("--gen-lengths", default="32,64", help="comma-separated, drawn uniformly per request")
+    p.add_argument("--requests", type=int, default=requests)
     p.add_argument("--block", type=int, default=32)
     p.add_argument("--tokens-per-step", type=int, default=8, help="--shape: the fixed schedule")
     p.add_argument("--max-batch", type=int, default=16)
-    p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the result here")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m eval.bench_traffic", description=__doc__.splitlines()[0])
+    add_common_flags(p, model_help="a model directory (threshold decoding on task questions)", model_required=True,
+                     requests=120)
+    p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (Poisson)")
+    p.add_argument("--gen-lengths", default="32,64", help="comma-separated, drawn uniformly per request")
+    p.add_argument("--ratio", type=float, default=0.2)
     return p
 
 
