@@ -84,26 +84,30 @@ def test_one_affix_cache_serves_every_offset(model, cache):
 
 
 def _oracle_importance(model, request):
-    """Plain-jnp re-derivation of the probe (paper eq. 4-5) from the parameter tree: the request's
-    non-affix tokens run layer by layer against the affix-alone K/V; at each layer the mask queries'
-    softmax over affix keys only is summed over queries and heads."""
+    """Plain float64 numpy re-derivation of the probe (paper eq. 4-5) from the parameter tree: the
+    request's non-affix tokens run layer by layer against the affix-alone K/V; at each layer the
+    mask queries' softmax over affix keys only is summed over queries and heads."""
     cfg = model.config
-    p = nnx.to_pure_dict(model.params)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), nnx.to_pure_dict(model.params))
     row = request.row(AFFIX, BASE["gen_length"], cfg.mask_token_id)
     seq, start = row.tokens.tolist(), row.affix_start
     affix_pos = np.arange(start, start + len(AFFIX))
     own_pos = np.array([i for i in range(len(seq)) if not start <= i < start + len(AFFIX)])
-    own = jnp.asarray([seq[i] for i in own_pos])
+    own = np.asarray([seq[i] for i in own_pos])
     group, scale = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim ** -0.5
 
     def rope(x, pos):
         half = cfg.head_dim // 2
         ang = np.asarray(pos)[:, None] / cfg.rope_theta ** (np.arange(half) * 2 / cfg.head_dim)
         ang = np.concatenate([ang, ang], -1)[:, None]
-        return x * np.cos(ang) + jnp.concatenate([-x[..., half:], x[..., :half]], -1) * np.sin(ang)
+        return x * np.cos(ang) + np.concatenate([-x[..., half:], x[..., :half]], -1) * np.sin(ang)
+
+    def softmax(x):
+        e = np.exp(x - x.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
 
     def norm(x, w):
-        return w * x / jnp.sqrt(jnp.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
+        return w * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + cfg.rms_norm_eps)
 
     def proj(x, lin):
         return x @ lin["kernel"] + (lin["bias"] if "bias" in lin else 0)
@@ -116,23 +120,24 @@ def _oracle_importance(model, request):
         k, v = heads(proj(h, layer["attn"]["k"]), cfg.num_kv_heads), heads(proj(h, layer["attn"]["v"]), cfg.num_kv_heads)
         keys, values = rope(k, pos), v
         if ext is not None:
-            keys, values = jnp.concatenate([rope(ext[0], ext[2]), keys]), jnp.concatenate([ext[1], values])
-        att = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, jnp.repeat(keys, group, 1)) * scale, -1)
-        x = x + proj(jnp.einsum("hqk,khd->qhd", att, jnp.repeat(values, group, 1)).reshape(len(x), -1), layer["attn"]["o"])
+            keys, values = np.concatenate([rope(ext[0], ext[2]), keys]), np.concatenate([ext[1], values])
+        att = softmax(np.einsum("qhd,khd->hqk", q, np.repeat(keys, group, 1)) * scale)
+        x = x + proj(np.einsum("hqk,khd->qhd", att, np.repeat(values, group, 1)).reshape(len(x), -1), layer["attn"]["o"])
         m = norm(x, layer["mlp_norm"]["weight"])
-        return x + proj(jax.nn.silu(proj(m, layer["mlp"]["gate"])) * proj(m, layer["mlp"]["up"]), layer["mlp"]["down"]), q, k, v
+        gate = proj(m, layer["mlp"]["gate"])
+        return x + proj(gate / (1 + np.exp(-gate)) * proj(m, layer["mlp"]["up"]), layer["mlp"]["down"]), q, k, v
 
-    a = jnp.take(p["embed"], jnp.asarray(AFFIX), axis=0)
-    x = jnp.take(p["embed"], own, axis=0)
-    is_mask = (own == cfg.mask_token_id).astype(jnp.float32)
-    total = jnp.zeros(len(AFFIX))
+    a = p["embed"][np.asarray(AFFIX)]
+    x = p["embed"][own]
+    is_mask = (own == cfg.mask_token_id).astype(np.float64)
+    total = np.zeros(len(AFFIX))
     for i in range(cfg.num_layers):
         layer = p["layers"][i]
         a, _, ka, va = layer_forward(a, np.arange(len(AFFIX)), layer)  # the affix alone, positions 0..L-1
         x, q, _, _ = layer_forward(x, own_pos, layer, ext=(ka, va, affix_pos))
-        probs = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, jnp.repeat(rope(ka, affix_pos), group, 1)) * scale, -1)
-        total = total + jnp.einsum("hqk,q->k", probs, is_mask)
-    return np.asarray(total)
+        probs = softmax(np.einsum("qhd,khd->hqk", q, np.repeat(rope(ka, affix_pos), group, 1)) * scale)
+        total = total + np.einsum("hqk,q->k", probs, is_mask)
+    return total
 
 
 def test_attention_selector_matches_a_plain_oracle(model, cache):

@@ -1,8 +1,10 @@
 """The serving engine against the static path (tiny fp32 models), its compilation and pool limits."""
 
+import functools
+
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import acache_jax
@@ -128,29 +130,39 @@ def test_results_are_handed_out_once(fixtures_dir):
 
 
 @settings(max_examples=4, deadline=None, derandomize=True)
+@example(arrivals=[(4, "prefix", 0, 16), (6, "infix", 1, 8), (2, "suffix", 1, 16)])
 @given(st.lists(st.tuples(st.integers(1, 9), st.sampled_from(["prefix", "infix", "suffix"]), st.integers(0, 3),
                           st.sampled_from([8, 16])), min_size=2, max_size=5))
 def test_packed_steps_mix_probes_recomputes_and_decodes(fixtures_dir, arrivals):
     """Requests arriving at different iterations put probe, recompute and in-block tokens of several
     requests into one packed forward; each request decodes exactly as it does alone."""
-    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
-    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, threshold=0.5)
-    engine = Engine(model, cfg, pool_tokens=600, block_size=8, max_batch=4)
+    model, engine = _mixing_engine(fixtures_dir)
     requests = [Request(list(range(3, 3 + n)), tail=[7, 9] if placement == "infix" else (), affix_position=placement,
                         seed=i) for i, (n, placement, _, _) in enumerate(arrivals)]
-    ids, results, kinds = {}, {}, set()
+    ids, results, mixed = {}, {}, 0
     for i in range(max(a for _, _, a, _ in arrivals) + 1):
         for r, (_, _, at, gen) in zip(requests, arrivals):
             if at == i:
                 ids[engine.add(r, AFFIX, gen_length=gen)] = (r, gen)
-        kinds |= {k for k, v in zip(("probe", "recompute", "decode"), _plan_kinds(engine)) if v}
+        mixed += sum(_plan_kinds(engine)) > 1
         results |= {res.request_id: res for res in engine.step()}
+    if {0, 1} <= {at for _, _, at, _ in arrivals}:  # a request probes while one that came before recomputes
+        assert mixed, arrivals
     results |= {res.request_id: res for res in engine.run()}
     for rid, (r, gen) in ids.items():
         alone = generate(model, [r], engine.request_config(gen), affix=AFFIX)
         assert results[rid].tokens.tolist() == alone.tokens[0].tolist()
         assert results[rid].anchors.tolist() == alone.anchors[0].tolist() and results[rid].nfe == alone.nfe[0]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@functools.cache
+def _mixing_engine(fixtures_dir):
+    """One engine for every example: it is drained after each, and its compiled steps (their read
+    widths only grow) serve the next examples too."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, threshold=0.5)
+    return model, Engine(model, cfg, pool_tokens=600, block_size=8, max_batch=4)
 
 
 def _plan_kinds(engine):

@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels import anchor_importance, gathered_attention, merge_partials
+from pallas_kernels import anchor_importance as _anchor_importance
+from pallas_kernels import gathered_attention as _gathered_attention
+from pallas_kernels import merge_partials
+
+# Jitted whole: run eagerly, the interpreted kernel and the oracle compile each of their many small
+# operations on its own, for every shape.
+gathered_attention = jax.jit(_gathered_attention, static_argnames=(
+    "sm_scale", "backend", "interpret", "return_lse", "block_q", "block_k", "num_warps", "num_stages", "splits"))
+anchor_importance = jax.jit(_anchor_importance, static_argnames=(
+    "sm_scale", "backend", "interpret", "block_q", "block_k", "num_warps", "num_stages"))
 
 
 def make_inputs(seed, b, tq, hq, hkv, d, tk, pool, dtype, lens=None):

@@ -29,8 +29,6 @@ from eval import lm_eval_data
 from eval.tasks import eval_split, get_task
 from eval.tasks.layouts import affix_text, request_texts
 
-# On one pytest-xdist worker: one server (its programs compiled once) for every test here.
-pytestmark = pytest.mark.xdist_group("serve")
 ROOT = Path(__file__).resolve().parents[1]
 BABI = eval_split(get_task("babi"), 0, 40)[1]
 CODEBOOK_SHOTS, CODEBOOK = eval_split(get_task("codebook"), 0, 40)

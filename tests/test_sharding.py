@@ -21,8 +21,6 @@ from acache_jax.model import abstract_transformer
 from acache_jax.sharding import MeshError, check_mesh, expand_kv, kv_copies, make_mesh, param_axes
 from tests import hf_checkpoints
 
-# On one pytest-xdist worker: the mesh subprocesses start once, for every test here.
-pytestmark = pytest.mark.xdist_group("sharding")
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = ("loading", "static", "engine", "hlo")
 LLADA = ROOT / "tests" / "fixtures" / "decode" / "llada"
