@@ -101,13 +101,19 @@ class AffixCache:
 
     def rotated_k(self, rope_theta: float) -> tuple[jax.Array, ...]:
         """K as pools store it: rotated at the affix's own positions 0..L-1."""
-        positions = jnp.arange(self.length, dtype=jnp.int32)[None]
-        return tuple(rope(k[None], positions, rope_theta)[0] for k in self.k)
+        return rotated_from_zero(self.k, rope_theta)
 
     def pool(self, extra_rows: int, rope_theta: float) -> KVPool:
         """A pool whose rows 0..L-1 hold this affix (K rotated at 0..L-1), then `extra_rows` zero rows."""
         grow = lambda a: jnp.concatenate([a, jnp.zeros((extra_rows, *a.shape[1:]), a.dtype)])
         return KVPool(tuple(map(grow, self.rotated_k(rope_theta))), tuple(map(grow, self.v)))
+
+
+def rotated_from_zero(k: tuple[jax.Array, ...], rope_theta: float) -> tuple[jax.Array, ...]:
+    """Per-layer K [L, kv_heads, head_dim] before RoPE, rotated at positions 0..L-1 (how a pool
+    stores a span computed alone, such as an affix)."""
+    positions = jnp.arange(k[0].shape[0], dtype=jnp.int32)[None]
+    return tuple(rope(a[None], positions, rope_theta)[0] for a in k)
 
 
 def read_set(slots: jax.Array, valid: jax.Array, offset: jax.Array) -> ReadSet:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from acache_jax.acache import AffixCache, build_affix_cache, check_affix_cache
+from acache_jax.acache import AffixCache, check_affix_cache
 from acache_jax.config import DecodeConfig, DecodeError, resolve_decode_config
 from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.runner import Runner
@@ -258,7 +258,5 @@ class Engine:
         return EngineResult(seq.request_id, tokens, seq.anchors.copy(), seq.nfe + int(seq.probed), seq.forward_tokens)
 
     def _fill_affix(self, seq: SequenceState) -> None:
-        affix = self._affixes[seq.affix_key]
-        cache = affix if isinstance(affix, AffixCache) else build_affix_cache(self.model, affix)
-        self.runner.fill_affix(cache, seq.shared_slots)
+        self.runner.fill_affix(self._affixes[seq.affix_key], seq.shared_slots)
         self.stats.affix_fills += 1

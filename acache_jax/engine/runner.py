@@ -29,7 +29,7 @@ from acache_jax.acache import anchor_ranking
 from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.engine.scheduler import Plan, StepOutput
 from acache_jax.engine.sequence import SequenceState
-from acache_jax.kv import AffixCache, KVPool, PoolAccess, ReadSet, flat_index, rows_access
+from acache_jax.kv import AffixCache, KVPool, PoolAccess, ReadSet, flat_index, rotated_from_zero, rows_access
 from acache_jax.layout import bucket, row_bucket, token_bucket
 from acache_jax.model import ForwardInputs, Structure
 
@@ -175,12 +175,31 @@ def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params
     return pool, rows, count
 
 
+def _store_affix(pool: KVPool, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], slots: jax.Array,
+                 rope_theta: float) -> KVPool:
+    """An affix's per-layer K (before RoPE) and V [L, ...] stored in its shared slots [L], K rotated
+    at the affix's own positions 0..L-1."""
+    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype)) for p, n in zip(rows, new))
+    return KVPool(put(pool.k, rotated_from_zero(k, rope_theta)), put(pool.v, v))
+
+
 @functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
 def fill_affix(pool: KVPool, affix: AffixCache, slots: jax.Array, rope_theta: float) -> KVPool:
-    """Store an affix cache (computed alone, as the static path does) in its shared slots [L], K
-    rotated at the affix's own positions 0..L-1 (one program per affix length)."""
-    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype)) for p, n in zip(rows, new))
-    return KVPool(put(pool.k, affix.rotated_k(rope_theta)), put(pool.v, affix.v))
+    """Store an affix cache built beforehand (`build_affix_cache`) in its shared slots (one program
+    per affix length)."""
+    return _store_affix(pool, affix.k, affix.v, slots, rope_theta)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
+def compute_affix(structure: Structure, params: list[jax.Array], pool: KVPool, ids: jax.Array,
+                  slots: jax.Array) -> KVPool:
+    """An affix given as ids [L] run alone at positions 0..L-1 (what `build_affix_cache` computes)
+    and stored in its shared slots, in one program: one dispatch where building the cache and
+    storing it took three and eager ops between them."""
+    out = structure.forward(params, ids[None], ForwardInputs(jnp.arange(ids.shape[0], dtype=jnp.int32)[None]),
+                            with_logits=False)
+    return _store_affix(pool, tuple(k[0] for k in out.k), tuple(v[0] for v in out.v), slots,
+                        structure.config.rope_theta)
 
 
 def _rows(values: list[np.ndarray], width: int, count: int, fill: int) -> np.ndarray:
@@ -221,8 +240,13 @@ class Runner:
         # per forward: (tokens, sum over tokens of the keys each reads, logit rows), padding excluded
         self.work: list[tuple[int, int, int]] = []
 
-    def fill_affix(self, affix: AffixCache, slots: np.ndarray) -> None:
-        self.pool = fill_affix(self.pool, affix, jnp.asarray(slots, jnp.int32), self.model.config.rope_theta)
+    def fill_affix(self, affix: AffixCache | list[int], slots: np.ndarray) -> None:
+        """Store an affix in its shared slots: a built cache as it is, ids computed here."""
+        if isinstance(affix, AffixCache):
+            self.pool = fill_affix(self.pool, affix, jnp.asarray(slots, jnp.int32), self.model.config.rope_theta)
+        else:
+            ids, slots = jax.device_put((np.asarray(affix, np.int32), np.asarray(slots, np.int32)))
+            self.pool = compute_affix(self.structure, self.params, self.pool, ids, slots)
 
     def reserve(self, seq: SequenceState) -> None:
         """Widen the read sets for a queued request (its private columns; under acache its affix,
