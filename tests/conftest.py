@@ -55,15 +55,3 @@ def pytest_runtest_teardown(item):
 def pytest_unconfigure(config):
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-
-
-# Files that take minutes (most of it in subprocesses: the mesh checks, the server, the bf16
-# agreement, the README's commands) start first: each file runs on one worker (--dist loadfile),
-# and one of these left for last would keep one worker busy while the other has nothing to do.
-LONG_FILES = ("test_sharding.py", "test_serve.py", "test_engine.py", "test_engine_bf16.py", "test_acache.py",
-              "test_readme.py", "test_lm_eval.py", "test_train.py", "test_shipped_models.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: file order kept otherwise
