@@ -11,10 +11,8 @@ Every case is compiled first (a whole warm-up run per case and policy, several a
 then timed on fresh engines, one case at a time: `--repeats` plain runs (the median run's tokens/s
 and host time, the time the device waited for the host; the spread of the host share over the
 runs) and a profiled run that waits for every jitted call (recompute, probe and in-block step
-latencies). After compiling, the objects it left are frozen out of Python's collector
-(`gc.freeze`, as serving stacks do after start-up): a full collection in a timed run would walk
-every traced program's objects and bill tens of milliseconds to the host; the collections that
-still run are timed and reported (`gc_ms`). Reported per policy: those, peak KV memory (pool blocks in use),
+latencies). Python's garbage collections inside the plain runs are timed (`gc_ms`), so that a
+pause is not mistaken for host work. Reported per policy: those, peak KV memory (pool blocks in use),
 MFU (FLOPs of the tokens computed / time / 800 TFLOP/s) and the time model: each forward at
 TIME_MODEL_TFLOPS or at the time to read the weights at TIME_MODEL_TBPS, whichever is longer, no
 host gaps.
@@ -93,18 +91,6 @@ def warm(model, shots: int, batch: int, policy: str, args) -> None:
     Engine(model, configs[policy], pool_tokens=pool_tokens, max_batch=batch).generate(requests, affix)
 
 
-def host_shares(model, shots: int, batch: int, policy: str, runs: int, args) -> list[tuple[float, float]]:
-    """(host share of the run, collector seconds) of `runs` plain runs of one case and policy."""
-    affix, requests, pool_tokens, configs = case_configs(model.config, shots, batch, args)
-    out = []
-    for _ in range(runs):
-        engine = Engine(model, configs[policy], pool_tokens=pool_tokens, max_batch=batch)
-        with collector_pauses() as pauses:
-            engine.generate(requests, affix)
-        out.append((engine.stats.host_seconds / engine.stats.seconds, sum(pauses)))
-    return out
-
-
 def run_case(model, name: str, shots: int, batch: int, args) -> dict:
     """Both policies on one case, on fresh engines whose programs are already compiled."""
     cfg = model.config
@@ -116,11 +102,11 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
             engine = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch)
             with collector_pauses() as pauses:
                 results = engine.generate(requests, affix)
-            runs.append((engine.stats.summary()["seconds"], engine, results, sum(pauses)))
-        runs.sort(key=lambda r: r[0])
-        _, engine, results, gc_s = runs[len(runs) // 2]  # the median run
+            runs.append((engine, results, sum(pauses)))
+        runs.sort(key=lambda r: r[0].stats.seconds)
+        engine, results, gc_s = runs[len(runs) // 2]  # the median run
         stats = engine.stats.summary()
-        host_shares = [e.stats.host_seconds / e.stats.seconds for _, e, _, _ in runs]
+        host_shares = [e.stats.host_seconds / e.stats.seconds for e, _, _ in runs]
         flops, model_s = forward_costs(cfg, engine)
         profiled = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch, profile=True)
         profiled.generate(requests, affix)
@@ -178,7 +164,7 @@ def host_profile(run, top: int) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | shots (affix tokens) | B | recompute ms base / acache (cut) | tok/s base / acache (speedup) | "
-             "in-block step ms | probe, host (% of ACache run; host over the runs, collector) | peak KV GB (cut) | MFU base / acache | "
+             "in-block step ms | probe, host (% of ACache run; host over the runs, collections) | peak KV GB (cut) | MFU base / acache | "
              "s: run / time model, base; acache |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, a = r["baseline"], r["acache"]
@@ -213,9 +199,6 @@ def main(argv=None) -> None:
     ap.add_argument("--meshes", default="none", type=parse_meshes,
                     help="each model under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1 (rows model@tp1dp1)")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs per case and policy (the median is reported)")
-    ap.add_argument("--unfrozen-runs", type=int, default=0, metavar="N",
-                    help="first, N plain ACache runs per case before the heap is frozen (their host share and "
-                         "collector time, to compare)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also run each case under cProfile and print its N functions of most own time")
     ap.add_argument("--out", type=Path, default=None)
@@ -243,13 +226,6 @@ def main(argv=None) -> None:
         if errors:
             print(json.dumps(dict(case=case, error=repr(errors[0])[:300])), flush=True)
     print(json.dumps(dict(t=round(time.perf_counter() - start, 1), compiled=len(ready), of=len(cases))), flush=True)
-    for name, shots, batch in ready if args.unfrozen_runs else ():
-        shares = host_shares(models[name], shots, batch, "acache", args.unfrozen_runs, args)
-        print(json.dumps(dict(model=name, shots=shots, batch=batch, heap="not frozen",
-                              host_share=[round(h, 4) for h, _ in shares], gc_ms=[round(1e3 * g, 1) for _, g in shares])),
-              flush=True)
-    gc.collect()
-    gc.freeze()  # what compiling left is permanent: keep it out of the timed runs' collections
     rows = []
     for name, shots, batch in ready:
         if time.perf_counter() - start > args.budget_s:
