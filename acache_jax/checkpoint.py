@@ -83,8 +83,8 @@ def save(
     for leftover in remove_stale_partials(dst):
         print(f"removed {leftover.name}, left beside {dst.name} by an interrupted write", file=sys.stderr)
     tmp = partial_name(dst)
-    tmp.mkdir()
-    try:
+    try:  # the mkdir inside: a signal just after it would otherwise skip the cleanup
+        tmp.mkdir()
         # Leaves as jax arrays (orbax stages a copy of numpy leaves), written uncompressed and at
         # most 1 GB at a time (compression buffers every array): peak memory stays near the output.
         tree = _nest((path, jnp.asarray(array)) for path, array in params)

@@ -1,16 +1,29 @@
 """python -m convert SRC_DIR DST_DIR [--dtype bfloat16|float32]"""
 
 import argparse
+import shutil
 import signal
 import sys
+from pathlib import Path
 
 from acache_jax.config import InputError
 from convert import convert
 
 
+_received: list[int] = []
+
+
 def _interrupt(signum, frame):
-    """SIGTERM as Ctrl-C: the write in progress unwinds and removes its temporary directory."""
+    """TERM as INT: the write in progress unwinds and removes its temporary directory. The signal is
+    remembered too: Python drops an exception raised inside a garbage-collector callback."""
+    _received.append(signum)
     raise KeyboardInterrupt
+
+
+def _unraisable(info) -> None:
+    """A dropped interrupt is handled after the conversion; other unraisable errors print as usual."""
+    if not isinstance(info.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(info)
 
 
 def main(argv=None) -> int:
@@ -22,9 +35,18 @@ def main(argv=None) -> int:
     parser.add_argument("dst", help="output directory (must not exist or be empty)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _interrupt)
+    _received.clear()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupt)
+    sys.unraisablehook = _unraisable
+    existed = Path(args.dst).is_dir()  # empty (convert refuses anything else)
     try:
         out = convert(args.src, args.dst, args.dtype)
+        if _received:  # the interrupt was dropped and the conversion finished: honour it all the same
+            shutil.rmtree(out)
+            if existed:
+                out.mkdir()
+            raise KeyboardInterrupt
     except (InputError, FileExistsError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
