@@ -170,11 +170,13 @@ def batch_bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def token_bucket(n: int, floor: int = 16, ceiling: int = 128) -> int:
+def token_bucket(n: int, floor: int = 16, ceiling: int | None = 128, per_octave: int = 8) -> int:
     """A packed token axis for n tokens: n rounded up to a multiple of a step that grows with n
-    (n / 8 rounded down to a power of two, within [floor, ceiling]): at most ~1/8 padding, eight
-    sizes per octave up to 8 x ceiling tokens, a size per `ceiling` tokens beyond."""
-    step = min(ceiling, max(floor, 1 << max(0, n.bit_length() - 4)))
+    (n / per_octave rounded down to a power of two, within [floor, ceiling]): at most about
+    1/per_octave padding, `per_octave` sizes per octave (a power of two) up to per_octave x ceiling
+    tokens, a size per `ceiling` tokens beyond (none: per_octave sizes per octave throughout)."""
+    step = max(floor, 1 << max(0, n.bit_length() - per_octave.bit_length()))
+    step = step if ceiling is None else min(ceiling, step)
     return -(-max(n, 1) // step) * step
 
 

@@ -14,7 +14,10 @@ texts are tokenized with the shipped tokenizer (ids valid in any vocabulary). Wa
 same requests compile the programs before each measured pass (until one compiles nothing, at most
 `--warmup-passes`: concurrent clients batch the requests differently in every pass). Reports per
 setting: requests/s, generated tokens/s, the fraction of prompt tokens read from a shared cache,
-latency p50 / p99, and what the measured pass still compiled.
+latency p50 / p99, and what the measured pass still compiled. With `--warmup-tokens N` the server
+runs fixed shapes and compiles every step program of up to N tokens when it starts (as
+`python -m acache_jax.serve --warmup-tokens N` does), so the program set no longer depends on how
+the clients' requests happen to be batched.
 `--compare early-stop` runs early stop off and on instead (discovery on in both): what the
 server saves by ending requests whose answer has ended.
 """
@@ -131,6 +134,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", choices=["discovery", "early-stop"], default="discovery",
                    help="what the two passes differ in: discovery off/on, or early stop off/on (discovery on)")
     p.add_argument("--warmup-passes", type=int, default=3, help="at most this many before each measured pass")
+    p.add_argument("--warmup-tokens", type=int, default=0,
+                   help="compile every step program up to this many tokens when the server starts (fixed shapes)")
     return p
 
 
@@ -156,9 +161,15 @@ def main(argv: list[str] | None = None) -> int:
         ("early_stop_off", True, False), ("early_stop_on", True, True))
     for label, discovery, early in arms:
         settings = Settings(max_batch=args.max_batch, max_queue=max(256, args.clients), discovery=discovery,
-                            min_tokens=args.min_tokens, finish_early=early)
+                            min_tokens=args.min_tokens, finish_early=early, warmup_tokens=args.warmup_tokens)
         server = InProcessServer(model, base.replace(early_stop=early), settings, name)
         try:
+            if args.warmup_tokens:
+                with counting_compiles() as warm:
+                    server.worker.warm_up(base.replace(early_stop=early))
+                    drive(server.url, name, prompts[:1], 1, args.max_tokens)  # answered after the warm-up
+                server.worker.reset_discovery()
+                print(json.dumps({label: "start-up", **warm}), flush=True)
             for _ in range(args.warmup_passes):
                 with counting_compiles() as warm:
                     drive(server.url, name, prompts, args.clients, args.max_tokens)

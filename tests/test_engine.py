@@ -1,7 +1,9 @@
 """The serving engine against the static path (tiny fp32 models), its compilation and pool limits."""
 
 import functools
+import logging
 
+import jax
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -73,6 +75,23 @@ def test_no_recompilation_in_steady_state(fixtures_dir):
     # Different prompts of similar lengths and another arrival order: every shape was seen before.
     engine.generate(shifted(2), AFFIX)
     assert [f._cache_size() for f in steps] == compiled
+
+
+def test_a_warmed_up_engine_compiles_no_step(fixtures_dir, caplog):
+    """With fixed shapes, `warm_up` compiles every packed step and block loop beforehand (a server
+    starting): serving then compiles only the affix fill, and the tokens are the static path's."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
+    engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2, fixed_shapes=True)
+    assert engine.warm_up(128) == 2 + 2  # one token axis with and without a probe; loops of 1 and 2 rows
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        results = engine.generate(REQUESTS, AFFIX)
+    compiled = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")]
+    assert compiled == ["jit(compute_affix)"]
+    static = generate(model, REQUESTS, cfg, affix=AFFIX)
+    assert [r.tokens.tolist() for r in results] == [t.tolist() for t in static.tokens]
+    with pytest.raises(ValueError, match="fixed shapes"):
+        Engine(model, cfg, pool_tokens=200, block_size=8).warm_up(128)
 
 
 def test_pool_limits(fixtures_dir):

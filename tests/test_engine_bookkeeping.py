@@ -347,7 +347,7 @@ def test_a_step_runs_on_a_compiled_token_axis_within_the_padding_bound():
     from acache_jax.engine.runner import REUSE_PADDING, Runner
     from acache_jax.layout import token_bucket
 
-    runner = SimpleNamespace(read_widths=[64, 32], _token_axes={})
+    runner = SimpleNamespace(read_widths=[64, 32], _token_axes={}, fixed_shapes=False)
     axis = lambda n, probing=False: Runner.token_axis(runner, n, probing)
     assert axis(300) == token_bucket(300) == 320
     assert axis(250) == 320  # 320 <= 1.5 x 250
@@ -359,7 +359,7 @@ def test_a_step_runs_on_a_compiled_token_axis_within_the_padding_bound():
     assert axis(250) == token_bucket(250)  # so is one with other read widths
 
     rng = np.random.default_rng(0)
-    runner = SimpleNamespace(read_widths=[64, 32], _token_axes={})
+    runner = SimpleNamespace(read_widths=[64, 32], _token_axes={}, fixed_shapes=False)
     counts = rng.integers(16, 5000, size=2000)
     axes = [axis(int(n)) for n in counts]
     assert all(n <= m <= max(token_bucket(int(n)), REUSE_PADDING * n) for n, m in zip(counts, axes))

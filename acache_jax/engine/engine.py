@@ -92,10 +92,14 @@ class Engine:
 
     profile: wait for the device after each jitted call and record its time (stats.packed,
     stats.loop); slower, for a time breakdown only.
+    fixed_shapes: run every step on programs that do not depend on the traffic (read widths for the
+    model's whole context, token axes four per octave), so that `warm_up` can compile them all
+    beforehand, as a server wants; otherwise shapes follow the requests (less padding, programs
+    compiled as new shapes appear).
     """
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
-                 block_size: int = 16, max_batch: int = 16, profile: bool = False):
+                 block_size: int = 16, max_batch: int = 16, profile: bool = False, fixed_shapes: bool = False):
         config = resolve_decode_config(config, model.generation_config)
         for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -107,7 +111,7 @@ class Engine:
         num_blocks = -(-pool_tokens // block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_batch)
-        self.runner = Runner(model, config, num_blocks * block_size, max_batch, profile)
+        self.runner = Runner(model, config, num_blocks * block_size, max_batch, profile, fixed_shapes)
         self.stats = EngineStats()
         self._affixes: dict[tuple[int, ...], list[int] | AffixCache] = {}  # of queued and running requests
         self._affix_users: dict[tuple[int, ...], int] = {}  # queued and running requests per affix
@@ -171,6 +175,13 @@ class Engine:
             self._affix_users[seq.affix_key] -= 1
             if not self._affix_users[seq.affix_key]:
                 del self._affix_users[seq.affix_key], self._affixes[seq.affix_key]
+
+    def warm_up(self, max_tokens: int, threads: int = 8) -> int:
+        """Compile every program that steps of up to `max_tokens` tokens run (an engine with
+        `fixed_shapes`), `threads` at a time; returns how many. A step of more tokens than that still
+        compiles its own program when it first comes."""
+        with use_mesh(self.model.mesh):
+            return self.runner.warm_up(max_tokens, threads)
 
     def request_config(self, gen_length: int) -> DecodeConfig:
         """The static path's config of a request with this gen length: the same schedule per block."""

@@ -14,8 +14,10 @@ tokens write nowhere and sit in no query tile.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import itertools
 import math
 import time
 from typing import Any, NamedTuple
@@ -37,6 +39,9 @@ TILE_ROWS = 128  # query rows per attention tile (tokens x the query heads of on
 # A packed step may run on an already compiled token axis up to this many times its tokens long
 # rather than compile its own bucket (see Runner.token_axis).
 REUSE_PADDING = 1.5
+# With fixed shapes, the token axes: four per octave from 128 tokens (at most 1/4 padding, 24 sizes
+# up to 16k tokens), so that every program a server can need is known and compiled at start.
+FIXED_AXIS = dict(floor=128, ceiling=None, per_octave=4)
 
 
 @jax.tree_util.register_dataclass
@@ -221,14 +226,20 @@ class Timings:
 class Runner:
     """Owns the pool; turns plans into device inputs and runs them (see the module docstring)."""
 
-    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, profile: bool = False):
+    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, profile: bool = False,
+                 fixed_shapes: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
         self.structure, self.params = model.flat
         self.pool = KVPool.zeros(model.config, num_slots, model.dtype, model.mesh)
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
         self.profile = profile
-        self.read_widths = [0, 0]  # per read set (private, shared): wide enough for every request queued so far
+        # Fixed shapes (a server): read widths for the model's whole context and token axes from
+        # FIXED_AXIS, so the programs do not depend on the traffic and `warm_up` can compile them all.
+        self.fixed_shapes = fixed_shapes
+        context = bucket(model.config.max_seq_len)
+        # per read set (private, shared): wide enough for every request queued so far
+        self.read_widths = [context, context if config.selective else 0] if fixed_shapes else [0, 0]
         self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
         self.timings = Timings()
         self.forward_tokens = 0  # tokens the forwards computed, padding excluded
@@ -260,10 +271,12 @@ class Runner:
     def token_axis(self, n: int, probing: bool) -> int:
         """The packed axis for a step of n tokens: the shortest one this runner has already run (with
         these read widths and the same probe use) that is at most REUSE_PADDING x n long, else
-        `token_bucket(n)`. Under traffic the token count changes every iteration; a program per
+        `token_bucket(n)` (with fixed shapes: its FIXED_AXIS bucket). Under traffic the token count changes every iteration; a program per
         bucket would compile for seconds (a minute at 8B) whenever a new count appears, while
         padding costs only the padded tokens' projections and MLP. Deterministic: the same
         sequence of plans picks the same axes."""
+        if self.fixed_shapes:
+            return token_bucket(n, **FIXED_AXIS)
         sizes = self._token_axes.setdefault((*self.read_widths, probing), [])
         fit = [m for m in sizes if n <= m <= REUSE_PADDING * n]
         if fit:
@@ -291,16 +304,19 @@ class Runner:
         return tuple(ReadSet(_rows(v, w, n_rows, 0), np.asarray([len(x) for x in v] + [0] * (n_rows - len(v)), np.int32),
                              off) for w, (v, off) in zip(self.read_widths, sets)), keys
 
-    def _packed(self, plan: Plan, reads: tuple[ReadSet, ...], keys: np.ndarray, n_rows: int) -> PackedStep:
+    def _packed(self, plan: Plan, reads: tuple[ReadSet, ...], keys: np.ndarray, n_rows: int, axis: int | None = None,
+                probing: bool | None = None) -> PackedStep:
+        """The plan's packed forward (axis, probing: set only to compile an empty plan's program)."""
         cfg, mask_id = self.config, self.model.config.mask_token_id
         bl = cfg.block_length
         columns = ([s.own_columns for s in plan.probe] + [s.private_columns for s in plan.recompute]
                    + [s.block_columns for s in plan.decode])
         seqs = plan.segments
-        lengths = np.asarray([len(c) for c in columns])
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        lengths = np.asarray([len(c) for c in columns], np.int64)
+        starts = np.cumsum(lengths) - lengths
         m_real = int(lengths.sum())
-        m = self.token_axis(m_real, bool(plan.probe))
+        probing = bool(plan.probe) if probing is None else probing
+        m = axis or self.token_axis(m_real, probing)
         tokens = np.full(m, self.model.config.pad_token_id, np.int32)
         positions = np.zeros(m, np.int32)
         write = np.full(m, self.pool.num_slots, np.int32)
@@ -331,13 +347,14 @@ class Runner:
         tile_seg[:len(tile_start)] = np.repeat(np.arange(len(seqs)), counts)
         commits = self._commits(seqs, n_rows, block_start=[False] * len(plan.probe) + [True] * len(plan.recompute)
                                 + [False] * len(plan.decode), active=[not s.needs_probe for s in seqs])
-        self.forward_tokens += m_real
-        self.padded_tokens += m
-        self.work.append((m_real, int((lengths * keys).sum()), bl * (len(seqs) - len(plan.probe))))
+        if seqs:
+            self.forward_tokens += m_real
+            self.padded_tokens += m
+            self.work.append((m_real, int((lengths * keys).sum()), bl * (len(seqs) - len(plan.probe))))
         for seq, n in zip(seqs, lengths):
             seq.forward_tokens += int(n)
         return PackedStep(tokens, positions, write, segment, tile_rows, tile_seg, reads, logit_index, commits,
-                          weight if plan.probe else None)
+                          weight if probing else None)
 
     def _commits(self, seqs: list[SequenceState], n_rows: int, block_start: list[bool], active: list[bool]) -> Commits:
         pad = lambda values, dtype: np.asarray(list(values) + [0] * (n_rows - len(values)), dtype)
@@ -347,15 +364,40 @@ class Runner:
                        pad([s.step for s in seqs], np.int32), pad([s.masked_at_start for s in seqs], np.int32),
                        pad(block_start, bool), pad(active, bool))
 
-    def _loop(self, plan: Plan, n_rows: int) -> BlockLoop:
+    def _loop(self, plan: Plan, n_rows: int, rows: int | None = None) -> BlockLoop:
         first = len(plan.probe)  # the loop requests are the packed step's segments from here on
-        n = row_bucket(len(plan.loop))
+        n = rows or row_bucket(len(plan.loop))
         rows = np.full(n, n_rows - 1, np.int32)
         rows[:len(plan.loop)] = np.arange(first, first + len(plan.loop))
         block = [s.block_columns for s in plan.loop]
         write = _rows([s.read_slot_map[c] for s, c in zip(plan.loop, block)], self.config.block_length, n,
                       self.pool.num_slots)
         return BlockLoop(rows, write, _rows(block, self.config.block_length, n, 0))
+
+    def warm_up(self, max_tokens: int, threads: int = 8) -> int:
+        """Compile, `threads` at a time, every program a fixed-shape runner runs for steps of up to
+        `max_tokens` tokens: the packed step at each token axis (with and without a probe) and the
+        block loop at each row count. Returns how many there were."""
+        if not self.fixed_shapes:
+            raise ValueError("warm_up needs a runner with fixed shapes (the programs depend on the traffic otherwise)")
+        n_rows = row_bucket(self.max_batch) + 1
+        empty = Plan([], [], [], [])
+        reads, keys = self._read_sets(empty, n_rows)
+        axes = [token_bucket(1, **FIXED_AXIS)]
+        while axes[-1] < max_tokens:
+            axes.append(token_bucket(axes[-1] + 1, **FIXED_AXIS))
+        programs = []
+        for m, probing in itertools.product(axes, (False, True) if self.config.selective else (False,)):
+            packing, buffer = pack(step := self._packed(empty, reads, keys, n_rows, axis=m, probing=probing))
+            programs.append((packed_step, self.structure, self.config, packing, self.params, self.pool, buffer))
+        for rows in sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}):
+            packing, buffer = pack((reads, self._loop(empty, n_rows, rows)))
+            programs.append((block_loop, self.structure, self.config, packing, self.params, self.pool, buffer,
+                             step.commits))
+        # lowered from values like those `run` passes: a later call runs the program compiled here
+        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
+        return len(programs)
 
     def run(self, plan: Plan) -> StepOutput:
         """Run one iteration of the plan and return what the host must know."""

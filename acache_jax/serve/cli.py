@@ -19,6 +19,13 @@ from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
 from acache_jax.generate import DEFAULT_MODEL, _Parser, _positive, _threshold
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m acache_jax.serve", description=__doc__.splitlines()[0])
     unset = argparse.SUPPRESS
@@ -44,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--affix-min-count", type=_positive, default=2, help="requests a span must recur in")
     p.add_argument("--affix-min-tokens", type=_positive, default=64, help="tokens a discovered span must have")
     p.add_argument("--affix-memory-mb", type=_positive, default=1024, help="budget of the stored affix caches")
+    p.add_argument("--warmup-tokens", type=_non_negative, default=0,
+                   help="compile every program of steps up to this many tokens at start (on a GPU: about "
+                        "max batch x prompt + answer tokens; 0: compile as requests first need them)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds running requests get at SIGTERM")
     return p
 
@@ -67,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(max_batch=args.max_batch, pool_tokens=args.pool_tokens, max_engines=args.max_engines,
                             max_queue=args.max_queue, discovery=args.discovery, min_count=args.affix_min_count,
                             min_tokens=args.affix_min_tokens, affix_budget_bytes=args.affix_memory_mb << 20,
-                            finish_early=args.early_stop)
+                            finish_early=args.early_stop, warmup_tokens=args.warmup_tokens)
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or (args.model or DEFAULT_MODEL).resolve().name
     worker = Worker(model, settings)
+    if settings.warmup_tokens:
+        worker.warm_up(base)
     app = create_app(model, base, worker, name)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)

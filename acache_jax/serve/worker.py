@@ -46,6 +46,9 @@ class Settings:
     min_tokens: int = 64
     affix_budget_bytes: int = 1 << 30
     finish_early: bool = True  # end a request once its committed prefix holds an end of text
+    # > 0: engines run fixed shapes, and `warm_up` compiles every program of steps up to this many
+    # tokens before the first request (0: programs compile as the traffic first needs them)
+    warmup_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -95,6 +98,10 @@ class Worker:
     def cancel(self, job_id: str) -> None:
         self._inbox.put(("cancel", job_id))
 
+    def warm_up(self, config: DecodeConfig) -> None:
+        """Compile the engine for `config` (`settings.warmup_tokens`) before the requests that follow."""
+        self._inbox.put(("warm", config))
+
     def reset_discovery(self) -> None:
         """Forget every counted span and drop the stored affix caches no request holds (benchmarks
         measure discovery from a cold start with warm compiled programs)."""
@@ -143,6 +150,12 @@ class Worker:
             self._publish()
 
     def _command(self, command: tuple) -> None:
+        if command[0] == "warm":
+            start = time.perf_counter()
+            count = self._engine(command[1]).warm_up(self.settings.warmup_tokens)
+            print(f"acache_jax.serve: compiled {count} programs for steps of up to {self.settings.warmup_tokens} "
+                  f"tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+            return
         if command[0] == "reset":
             self.index = SpanIndex(self.settings.min_count, self.settings.min_tokens)
             self.store.drop_unheld()
@@ -182,7 +195,8 @@ class Worker:
                                    headers={"Retry-After": "1"})
                 del self.engines[idle]
             s = self.settings
-            engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch)
+            engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch,
+                                                   fixed_shapes=s.warmup_tokens > 0)
         self.engines.move_to_end(config)
         return engine
 
