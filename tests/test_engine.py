@@ -30,6 +30,12 @@ def model(request, fixtures_dir):
     return acache_jax.load(fixtures_dir / "decode" / request.param, dtype="float32")
 
 
+# The parity tests run fixed shapes (Engine(fixed_shapes=True), a server's): these small workloads
+# then need one token axis, so they compile a few programs, where shapes that follow the requests
+# compile one per step size. The shapes of the default mode are checked from test_no_recompilation_...
+# on, and its tokens in test_results_are_handed_out_once, test_engine_hooks and test_lm_eval.
+FIXED = dict(fixed_shapes=True)
+
 # Every policy on LLaDA; on Dream (logits shifted, its own RoPE and biases) the two selective ones.
 # ACache in two submission orders; the other policies differ in what they read, not in how they
 # are scheduled, so one (shuffled) order each.
@@ -50,7 +56,7 @@ def test_engine_equals_static_path_in_any_order(model, cache, extra, orders):
     static = generate(model, REQUESTS, cfg, affix=AFFIX)
     for order in orders:
         order = list(order)
-        engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2)
+        engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2, **FIXED)
         results = engine.generate([REQUESTS[i] for i in order], AFFIX)
         for i, res in zip(order, results):
             assert res.tokens.tolist() == static.tokens[i].tolist(), (cache, i)
@@ -82,7 +88,7 @@ def test_a_warmed_up_engine_compiles_no_step(fixtures_dir, caplog):
     starting): serving then compiles only the affix fill, and the tokens are the static path's."""
     model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
-    engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2, fixed_shapes=True)
+    engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2, **FIXED)
     assert engine.warm_up(128) == 2 + 2  # one token axis with and without a probe; loops of 1 and 2 rows
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         results = engine.generate(REQUESTS, AFFIX)
@@ -177,11 +183,11 @@ def test_packed_steps_mix_probes_recomputes_and_decodes(fixtures_dir, arrivals):
 
 @functools.cache
 def _mixing_engine(fixtures_dir):
-    """One engine for every example: it is drained after each, and its compiled steps (their read
-    widths only grow) serve the next examples too."""
+    """One engine for every example: it is drained after each, and its compiled steps serve the next
+    examples too."""
     model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, threshold=0.5)
-    return model, Engine(model, cfg, pool_tokens=600, block_size=8, max_batch=4)
+    return model, Engine(model, cfg, pool_tokens=600, block_size=8, max_batch=4, **FIXED)
 
 
 def _plan_kinds(engine):

@@ -127,6 +127,17 @@ def _chat_text(body: dict[str, Any], model: Model) -> str:
     return tok.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
 
 
+def engine_config(base: DecodeConfig, **knobs: Any) -> DecodeConfig:
+    """The engine a request with these knobs runs on: one engine per distinct decoding setting, and
+    gen length is per request (rounded up to whole blocks), so the key holds one block."""
+    block = knobs.get("block_length", base.block_length)
+    if not isinstance(block, int) or block <= 0:
+        raise InputError(f"block_length must be a positive integer, got {block!r}")
+    steps = None if base.steps is None else base.steps_per_block
+    config = base.replace(**knobs, gen_length=block, steps=steps)
+    check_engine_config(config)
+    return config
+
 def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: bool) -> Job:
     """A checked, tokenized Job from a request body (ApiError for anything wrong with it)."""
     if not isinstance(body, dict):
@@ -154,15 +165,10 @@ def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: b
     if max_tokens is not None and max_tokens <= 0:
         raise ApiError(400, f"{limit} must be positive, got {max_tokens}", limit)
     try:
-        block = knobs.get("block_length", base.block_length)
-        if not isinstance(block, int) or block <= 0:
-            raise InputError(f"block_length must be a positive integer, got {block!r}")
-        # one engine per distinct decoding setting; gen length is per request (rounded up to whole blocks)
-        steps = None if base.steps is None else base.steps_per_block
-        config = base.replace(**knobs, gen_length=block, steps=steps)
-        check_engine_config(config)
+        config = engine_config(base, **knobs)
     except InputError as e:
         raise ApiError(400, str(e), next((k for k in knobs if k in str(e)), None)) from None
+    block = config.block_length
     gen_length = -(-(max_tokens or base.gen_length) // block) * block
     affix_text = _get(body, "affix", "str")
     position = _get(body, "affix_position", "str")

@@ -28,7 +28,7 @@ from acache_jax.affix_index import AffixStore, SpanIndex
 from acache_jax.config import DecodeConfig, InputError
 from acache_jax.engine import Engine
 from acache_jax.model import Model
-from acache_jax.serve.protocol import Answer, ApiError, Job
+from acache_jax.serve.protocol import Answer, ApiError, Job, engine_config
 
 Emit = Callable[[tuple], None]  # ("text", str) | ("done", Answer) | ("error", ApiError), from the engine thread
 
@@ -98,9 +98,10 @@ class Worker:
     def cancel(self, job_id: str) -> None:
         self._inbox.put(("cancel", job_id))
 
-    def warm_up(self, config: DecodeConfig) -> None:
-        """Compile the engine for `config` (`settings.warmup_tokens`) before the requests that follow."""
-        self._inbox.put(("warm", config))
+    def warm_up(self, base: DecodeConfig) -> None:
+        """Compile the engine that requests with the server's default knobs (`base`) run on, for steps
+        of up to `settings.warmup_tokens` tokens, before the requests that follow."""
+        self._inbox.put(("warm", engine_config(base)))
 
     def reset_discovery(self) -> None:
         """Forget every counted span and drop the stored affix caches no request holds (benchmarks
@@ -311,6 +312,8 @@ class Worker:
         self._publish()
         used = self.snapshot["pool_blocks_used"]
         print(f"acache_jax.serve: stopped; {used:.0f} KV blocks left allocated", file=sys.stderr, flush=True)
+        self.engines.clear()  # their pools' device memory goes with them (a process may start another server)
+        self.store.drop_unheld()
 
     def _publish(self) -> None:
         """Numbers for /metrics, replaced whole (the HTTP side reads it without a lock)."""
