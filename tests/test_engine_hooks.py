@@ -1,5 +1,10 @@
-"""The engine hooks a server needs: cancel, partial output, requests without an affix under acache."""
+"""The engine hooks a server needs: cancel, partial output, requests without an affix under acache,
+a warm-up before the first request."""
 
+import logging
+import queue
+
+import jax
 import numpy as np
 import pytest
 
@@ -58,3 +63,34 @@ def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
     assert _empty(engine)
     alone = Engine(model, cfg, pool_tokens=400, block_size=8).generate([reqs[0]], AFFIX)[0]
     assert alone.tokens.tolist() == final  # the cancelled neighbours changed nothing
+
+
+def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
+    """`serve --warmup-tokens`: the worker compiles, before any request, the engine that a request
+    with the server's default knobs runs on (its key holds one block, not the default gen length),
+    so serving it compiles no packed step or block loop."""
+    from acache_jax.generate import DEFAULT_MODEL
+    from acache_jax.serve.protocol import engine_config, parse
+    from acache_jax.serve.worker import Settings, Worker
+
+    model = acache_jax.load(DEFAULT_MODEL)
+    base = model.decode_config(cache="acache")
+    base = base.replace(gen_length=2 * base.block_length)  # a server default of two blocks
+    worker = Worker(model, Settings(max_batch=2, warmup_tokens=128))
+    try:
+        assert worker.warm_up(base).wait(300)
+        job = parse({"prompt": "Story: Mary went to the office.\nQuestion: Where is Mary?\nAnswer with one location:",
+                     "max_tokens": base.gen_length}, model, base, "llada-small", chat=False)
+        events = queue.Queue()
+        jax.config.update("jax_log_compiles", True)  # the engine thread compiles: not a thread-local setting
+        with caplog.at_level(logging.WARNING):
+            worker.submit(job, events.put)
+            while (event := events.get(timeout=300))[0] == "text":
+                pass
+        assert event[0] == "done", event
+        compiled = {r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")}
+        assert not compiled & {"jit(packed_step)", "jit(block_loop)"}, compiled
+        assert list(worker.engines) == [engine_config(base)]
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        worker.stop()

@@ -98,10 +98,13 @@ class Worker:
     def cancel(self, job_id: str) -> None:
         self._inbox.put(("cancel", job_id))
 
-    def warm_up(self, base: DecodeConfig) -> None:
+    def warm_up(self, base: DecodeConfig) -> threading.Event:
         """Compile the engine that requests with the server's default knobs (`base`) run on, for steps
-        of up to `settings.warmup_tokens` tokens, before the requests that follow."""
-        self._inbox.put(("warm", engine_config(base)))
+        of up to `settings.warmup_tokens` tokens, before the requests that follow; the event is set
+        once it is done."""
+        done = threading.Event()
+        self._inbox.put(("warm", engine_config(base), done))
+        return done
 
     def reset_discovery(self) -> None:
         """Forget every counted span and drop the stored affix caches no request holds (benchmarks
@@ -156,6 +159,7 @@ class Worker:
             count = self._engine(command[1]).warm_up(self.settings.warmup_tokens)
             print(f"acache_jax.serve: compiled {count} programs for steps of up to {self.settings.warmup_tokens} "
                   f"tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+            command[2].set()
             return
         if command[0] == "reset":
             self.index = SpanIndex(self.settings.min_count, self.settings.min_tokens)
