@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     try:
         out = convert(args.src, args.dst, args.dtype)
         if _received:  # the interrupt was dropped and the conversion finished: honour it all the same
+            for sig in (signal.SIGINT, signal.SIGTERM):  # a second one must not stop the removal halfway
+                signal.signal(sig, signal.SIG_IGN)
             shutil.rmtree(out)
             if existed:
                 out.mkdir()

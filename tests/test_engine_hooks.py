@@ -14,6 +14,7 @@ from acache_jax.engine import Engine
 from acache_jax.layout import Request
 
 AFFIX = list(range(30, 53))
+FIXED = dict(fixed_shapes=True)  # a server's engines: few programs for these small workloads (see test_engine)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +30,10 @@ def _empty(engine: Engine) -> bool:
 def test_a_request_without_affix_under_acache_decodes_as_under_dual(model):
     plain = [Request([5, 17, 33, 2, 90], seed=1), Request([1, 2, 3, 4, 5, 6, 7], seed=2)]
     mixed = [*plain, Request([9, 8, 7], affix_position="prefix", seed=3)]
-    dual = Engine(model, DecodeConfig(gen_length=16, block_length=8, cache="dual"), pool_tokens=200, block_size=8)
-    acache = Engine(model, DecodeConfig(gen_length=16, block_length=8, cache="acache"), pool_tokens=200, block_size=8)
+    dual = Engine(model, DecodeConfig(gen_length=16, block_length=8, cache="dual"), pool_tokens=200, block_size=8,
+                  **FIXED)
+    acache = Engine(model, DecodeConfig(gen_length=16, block_length=8, cache="acache"), pool_tokens=200, block_size=8,
+                    **FIXED)
     expected = [r.tokens.tolist() for r in dual.generate(plain)]
     ids = [acache.add(r, AFFIX if r.affix_position else None) for r in mixed]
     got = {r.request_id: r.tokens.tolist() for r in acache.run()}
@@ -40,7 +43,7 @@ def test_a_request_without_affix_under_acache_decodes_as_under_dual(model):
 
 def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
     cfg = DecodeConfig(gen_length=32, block_length=8, cache="acache", early_stop=False)
-    engine = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=2)
+    engine = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=2, **FIXED)
     reqs = [Request([5, 17, 33, 2, 90], affix_position="prefix", seed=s) for s in range(3)]
     ids = [engine.add(r, AFFIX) for r in reqs]  # the third waits: max_batch 2
     seen = {i: [] for i in ids}
@@ -61,7 +64,7 @@ def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
     for prefix in seen[ids[0]]:
         assert final[:len(prefix)] == prefix and model.config.mask_token_id not in prefix
     assert _empty(engine)
-    alone = Engine(model, cfg, pool_tokens=400, block_size=8).generate([reqs[0]], AFFIX)[0]
+    alone = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=2, **FIXED).generate([reqs[0]], AFFIX)[0]
     assert alone.tokens.tolist() == final  # the cancelled neighbours changed nothing
 
 

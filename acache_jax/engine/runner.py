@@ -275,12 +275,12 @@ class Runner:
         self.read_widths = [max(w, bucket(max(1, n))) for w, n in zip(self.read_widths, needed)]
 
     def token_axis(self, n: int, probing: bool) -> int:
-        """The packed axis for a step of n tokens: the shortest one this runner has already run (with
-        these read widths and the same probe use) that is at most REUSE_PADDING x n long, else
-        `token_bucket(n)` (with fixed shapes: its FIXED_AXIS bucket). Under traffic the token count changes every iteration; a program per
-        bucket would compile for seconds (a minute at 8B) whenever a new count appears, while
-        padding costs only the padded tokens' projections and MLP. Deterministic: the same
-        sequence of plans picks the same axes."""
+        """The packed axis for a step of n tokens (with fixed shapes: its FIXED_AXIS bucket): the
+        shortest one this runner has already run (with these read widths and the same probe use)
+        that is at most REUSE_PADDING x n long, else `token_bucket(n)`. Under traffic the token
+        count changes every iteration; a program per bucket would compile for seconds (a minute at
+        8B) whenever a new count appears, while padding costs only the padded tokens' projections
+        and MLP. Deterministic: the same sequence of plans picks the same axes."""
         if self.fixed_shapes:
             return token_bucket(n, **FIXED_AXIS)
         sizes = self._token_axes.setdefault((*self.read_widths, probing), [])
@@ -370,9 +370,10 @@ class Runner:
                        pad([s.step for s in seqs], np.int32), pad([s.masked_at_start for s in seqs], np.int32),
                        pad(block_start, bool), pad(active, bool))
 
-    def _loop(self, plan: Plan, n_rows: int, rows: int | None = None) -> BlockLoop:
+    def _loop(self, plan: Plan, n_rows: int, loop_rows: int | None = None) -> BlockLoop:
+        """The plan's block loop (loop_rows: set only to compile an empty plan's program)."""
         first = len(plan.probe)  # the loop requests are the packed step's segments from here on
-        n = rows or row_bucket(len(plan.loop))
+        n = loop_rows or row_bucket(len(plan.loop))
         rows = np.full(n, n_rows - 1, np.int32)
         rows[:len(plan.loop)] = np.arange(first, first + len(plan.loop))
         block = [s.block_columns for s in plan.loop]
@@ -396,8 +397,8 @@ class Runner:
         for m, probing in itertools.product(axes, (False, True) if self.config.selective else (False,)):
             packing, buffer = pack(step := self._packed(empty, reads, keys, n_rows, axis=m, probing=probing))
             programs.append((packed_step, self.structure, self.config, packing, self.params, self.pool, buffer))
-        for rows in sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}):
-            packing, buffer = pack((reads, self._loop(empty, n_rows, rows)))
+        for loop_rows in sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}):
+            packing, buffer = pack((reads, self._loop(empty, n_rows, loop_rows)))
             programs.append((block_loop, self.structure, self.config, packing, self.params, self.pool, buffer,
                              step.commits))
         # lowered from values like those `run` passes: a later call runs the program compiled here

@@ -138,6 +138,7 @@ def engine_config(base: DecodeConfig, **knobs: Any) -> DecodeConfig:
     check_engine_config(config)
     return config
 
+
 def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: bool) -> Job:
     """A checked, tokenized Job from a request body (ApiError for anything wrong with it)."""
     if not isinstance(body, dict):

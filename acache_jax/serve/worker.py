@@ -156,10 +156,14 @@ class Worker:
     def _command(self, command: tuple) -> None:
         if command[0] == "warm":
             start = time.perf_counter()
-            count = self._engine(command[1]).warm_up(self.settings.warmup_tokens)
-            print(f"acache_jax.serve: compiled {count} programs for steps of up to {self.settings.warmup_tokens} "
-                  f"tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-            command[2].set()
+            try:
+                count = self._engine(command[1]).warm_up(self.settings.warmup_tokens)
+                print(f"acache_jax.serve: compiled {count} programs for steps of up to {self.settings.warmup_tokens} "
+                      f"tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+            except Exception as e:  # the server still serves, compiling as requests need
+                print(f"acache_jax.serve: warm-up failed: {e!r}", file=sys.stderr, flush=True)
+            finally:
+                command[2].set()
             return
         if command[0] == "reset":
             self.index = SpanIndex(self.settings.min_count, self.settings.min_tokens)
