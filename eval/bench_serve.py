@@ -166,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if args.warmup_tokens:
                 with counting_compiles() as warm:
-                    server.worker.warm_up(base.replace(early_stop=early))
-                    drive(server.url, name, prompts[:1], 1, args.max_tokens)  # answered after the warm-up
-                server.worker.reset_discovery()
+                    server.worker.warm_up(base.replace(early_stop=early)).wait()
                 print(json.dumps({label: "start-up", **warm}), flush=True)
             for _ in range(args.warmup_passes):
                 with counting_compiles() as warm:

@@ -395,12 +395,12 @@ class Runner:
             axes.append(token_bucket(axes[-1] + 1, **FIXED_AXIS))
         programs = []
         for m, probing in itertools.product(axes, (False, True) if self.config.selective else (False,)):
-            packing, buffer = pack(step := self._packed(empty, reads, keys, n_rows, axis=m, probing=probing))
+            packing, buffer = pack(self._packed(empty, reads, keys, n_rows, axis=m, probing=probing))
             programs.append((packed_step, self.structure, self.config, packing, self.params, self.pool, buffer))
+        after = self._commits([], n_rows, [], [])  # what a packed step hands the block loop, as shapes
         for loop_rows in sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}):
             packing, buffer = pack((reads, self._loop(empty, n_rows, loop_rows)))
-            programs.append((block_loop, self.structure, self.config, packing, self.params, self.pool, buffer,
-                             step.commits))
+            programs.append((block_loop, self.structure, self.config, packing, self.params, self.pool, buffer, after))
         # lowered from values like those `run` passes: a later call runs the program compiled here
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
             list(ex.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
