@@ -199,6 +199,13 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
 decode_batch = jax.jit(_decode, static_argnums=(0, 1, 4))
 
 
+def _loop_key(config: DecodeConfig) -> DecodeConfig:
+    """`config` as the decode loop's static argument: anchors are selected before the loop and
+    passed in, so configs that differ only in how they were selected (selector, ratio) share one
+    compiled loop (a sweep over selectors compiles the loop once per shape)."""
+    return dataclasses.replace(config, selector=DecodeConfig.selector, anchor_ratio=DecodeConfig.anchor_ratio)
+
+
 def check_policy(config: DecodeConfig, request: Request, affix: Sequence[int] | None) -> None:
     """What the cache policy asks of a request: selective recompute needs a placed affix, no CFG."""
     if not config.selective:
@@ -263,9 +270,11 @@ def generate(
                 anchors = (select_anchors_jit(model.graphdef, model.config, model.params, batch, cache, k,
                                               config.selector, config.attn_backend)
                            if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
-                result = decode_batch(model.graphdef, model.config, model.params, batch, config, cache, anchors)
+                result = decode_batch(model.graphdef, model.config, model.params, batch, _loop_key(config), cache,
+                                      anchors)
             else:
-                anchors, result = None, decode_batch(model.graphdef, model.config, model.params, batch, config)
+                anchors, result = None, decode_batch(model.graphdef, model.config, model.params, batch,
+                                                     _loop_key(config))
             (out, stats), anchors = jax.device_get((result, anchors))
         elapsed = time.perf_counter() - start
         g0 = batch.gen_start
