@@ -1,15 +1,19 @@
-"""Anchor-probe cost at LLaDA-8B shape (random bf16 weights), per request, batch 1 and 16.
+"""Anchor-selection cost at LLaDA-8B shape (random bf16 weights), per request, batch 1 and 16.
 
     python -m eval.bench_acache_probe [--layers 32] [--affix 400] [--prompt 100] [--batches 1,16]
+                                      [--selectors attention,hkvd]
 
-The probe is one forward over a request's non-affix tokens (prompt + gen_length masks) against the
-shared affix K/V, scoring affix keys by the mask queries' attention (see acache_jax/acache.py), then
-top-K. Reported: median time of the jitted selection per batch, and per request.
+The attention probe is one forward over a request's non-affix tokens (prompt + gen_length masks)
+against the shared affix K/V, scoring affix keys by the mask queries' attention (see
+acache_jax/acache.py), then top-K; hkvd is one full forward over the request with its affix. Reported
+per selector: median time of the jitted selection per batch, per request, and against the attention
+probe's (when measured).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 
 import jax
@@ -29,6 +33,7 @@ def main() -> None:
     parser.add_argument("--ratio", type=float, default=0.2)
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--backend", default="cudnn")
+    parser.add_argument("--selectors", default="attention", help="comma-separated anchor selectors to time")
     args = parser.parse_args()
     cfg = llada_8b(args.layers)
     model = random_model(cfg)
@@ -37,13 +42,16 @@ def main() -> None:
     k = math.ceil(args.ratio * args.affix)
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; affix {args.affix}, prompt {args.prompt}, "
           f"gen {args.gen}, K {k}")
+    print("| selector | B | ms per batch | ms per request | x attention |\n|---|---|---|---|---|")
     for b in [int(x) for x in args.batches.split(",")]:
         reqs = [Request(rng.integers(0, 126000, args.prompt).tolist(), affix_position="prefix") for _ in range(b)]
         batch = make_batch(reqs, args.gen, cfg, [int(t) for t in affix.ids])
-        fn = lambda: select_anchors_jit(model.graphdef, cfg, model.params, batch, affix, k, "attention",
-                                        args.backend)
-        sec = median_seconds(fn)
-        print(f"| {b} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} |")
+        seconds = {}
+        for selector in args.selectors.split(","):
+            seconds[selector] = sec = median_seconds(functools.partial(
+                select_anchors_jit, model.graphdef, cfg, model.params, batch, affix, k, selector, args.backend))
+            ratio = f"{sec / seconds['attention']:.2f}" if "attention" in seconds else "-"
+            print(f"| {selector} | {b} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} | {ratio} |", flush=True)
 
 
 if __name__ == "__main__":
