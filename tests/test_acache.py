@@ -12,7 +12,7 @@ from flax import nnx
 import acache_jax
 from acache_jax.acache import build_affix_cache, probe_importance
 from acache_jax.config import DecodeConfig, InputError
-from acache_jax.decode import generate
+from acache_jax.decode import decode_batch, generate
 from acache_jax.layout import Request, make_batch
 from acache_jax.model import ForwardInputs
 
@@ -68,6 +68,17 @@ def test_each_row_equals_the_request_alone(model, cache, selector):
         assert batched.anchors[i].tolist() == alone.anchors[0].tolist()
         assert len(alone.anchors[0]) == k and list(alone.anchors[0]) == sorted(set(alone.anchors[0]))
         assert batched.nfe[i] == alone.nfe[0]
+
+
+def test_selectors_share_one_compiled_decode_loop(model, cache):
+    """Anchors are an input of the decode loop, so a config that differs only in its selector and
+    ratio (same K) runs the loop another one compiled."""
+    request = [Request(list(range(3, 40)), affix_position="prefix")]
+    generate(model, request, DecodeConfig(cache="acache", anchor_ratio=0.17, selector="random", **BASE), affix=cache)
+    compiled = decode_batch._cache_size()
+    out = generate(model, request, DecodeConfig(cache="acache", anchor_ratio=0.18, selector="bottom", **BASE),
+                   affix=cache)
+    assert decode_batch._cache_size() == compiled and len(out.anchors[0]) == math.ceil(0.18 * len(AFFIX))
 
 
 def test_one_affix_cache_serves_every_offset(model, cache):
