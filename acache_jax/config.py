@@ -305,6 +305,11 @@ class DecodeConfig:
             top_k=self.top_k,
         )
 
+    def program_key(self) -> DecodeConfig:
+        """This config as compiled programs' static argument: the anchor ratio only decides how many
+        anchors a request gets (on the host), so configs that differ only there share programs."""
+        return dataclasses.replace(self, anchor_ratio=DecodeConfig.anchor_ratio)
+
     def replace(self, **overrides: Any) -> DecodeConfig:
         """A copy with these fields changed (validated); an unknown field name is an error."""
         unknown = sorted(set(overrides) - set(FIELD_KINDS))

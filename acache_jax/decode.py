@@ -203,7 +203,7 @@ def _loop_key(config: DecodeConfig) -> DecodeConfig:
     """`config` as the decode loop's static argument: anchors are selected before the loop and
     passed in, so configs that differ only in how they were selected (selector, ratio) share one
     compiled loop (a sweep over selectors compiles the loop once per shape)."""
-    return dataclasses.replace(config, selector=DecodeConfig.selector, anchor_ratio=DecodeConfig.anchor_ratio)
+    return dataclasses.replace(config.program_key(), selector=DecodeConfig.selector)
 
 
 def check_policy(config: DecodeConfig, request: Request, affix: Sequence[int] | None) -> None:

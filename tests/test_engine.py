@@ -83,6 +83,20 @@ def test_no_recompilation_in_steady_state(fixtures_dir):
     assert [f._cache_size() for f in steps] == compiled
 
 
+def test_engines_that_differ_only_in_anchor_ratio_share_programs(fixtures_dir):
+    """The ratio sets each request's anchor count on the host: an engine with another ratio (and
+    the same K) runs the steps compiled for the first."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    steps = (runner.packed_step, runner.block_loop)
+    make = lambda ratio: Engine(model, DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=ratio),
+                                pool_tokens=400, block_size=8, max_batch=4)
+    first = make(0.18).generate(REQUESTS[:2], AFFIX)
+    compiled = [f._cache_size() for f in steps]
+    second = make(0.19).generate(REQUESTS[:2], AFFIX)
+    assert [f._cache_size() for f in steps] == compiled
+    assert [r.anchors.tolist() for r in first] == [r.anchors.tolist() for r in second]  # K = 5 of 23 both
+
+
 def test_a_warmed_up_engine_compiles_no_step(fixtures_dir, caplog):
     """With fixed shapes, `warm_up` compiles every packed step and block loop beforehand (a server
     starting): serving then compiles only the affix fill, and the tokens are the static path's."""

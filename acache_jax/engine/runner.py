@@ -229,6 +229,7 @@ class Runner:
     def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, profile: bool = False,
                  fixed_shapes: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
+        self.program_config = config.program_key()  # the jitted steps' static config
         self.structure, self.params = model.flat
         self.pool = KVPool.zeros(model.config, num_slots, model.dtype, model.mesh)
         group = model.config.num_heads // model.config.num_kv_heads
@@ -396,11 +397,12 @@ class Runner:
         programs = []
         for m, probing in itertools.product(axes, (False, True) if self.config.selective else (False,)):
             packing, buffer = pack(self._packed(empty, reads, keys, n_rows, axis=m, probing=probing))
-            programs.append((packed_step, self.structure, self.config, packing, self.params, self.pool, buffer))
+            programs.append((packed_step, self.structure, self.program_config, packing, self.params, self.pool, buffer))
         after = self._commits([], n_rows, [], [])  # what a packed step hands the block loop, as shapes
         for loop_rows in sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}):
             packing, buffer = pack((reads, self._loop(empty, n_rows, loop_rows)))
-            programs.append((block_loop, self.structure, self.config, packing, self.params, self.pool, buffer, after))
+            programs.append((block_loop, self.structure, self.program_config, packing, self.params, self.pool, buffer,
+                             after))
         # lowered from values like those `run` passes: a later call runs the program compiled here
         with concurrent.futures.ThreadPoolExecutor(threads) as ex:
             list(ex.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
@@ -408,7 +410,7 @@ class Runner:
 
     def run(self, plan: Plan) -> StepOutput:
         """Run one iteration of the plan and return what the host must know."""
-        cfg = self.config
+        cfg = self.program_config
         # Rows for max_batch segments whatever the plan holds (the last row stays empty): the
         # packed step's program then depends on its token bucket alone. Spare rows cost only their
         # block's logits, once per iteration.
