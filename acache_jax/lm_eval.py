@@ -38,6 +38,7 @@ is_greedy is always False, as there. loglikelihood_rolling is not defined for th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -416,10 +417,43 @@ def parser():
     return HarnessCLI()._subparsers.choices["run"]
 
 
+def _only_included_tasks(known: Any) -> bool:
+    """Whether every name of --tasks is a task, group or tag under --include_path (then lm-eval's
+    own catalogue of some 15,000 tasks, 9 s to index on a CPU, is not needed)."""
+    if not known.include_path or not known.tasks:
+        return False
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415
+
+    entries = [known.tasks] if isinstance(known.tasks, str) else known.tasks
+    names = [name for entry in entries for name in entry.split(",") if name]
+    own = TaskManager(include_path=known.include_path, include_defaults=False).all_tasks
+    return bool(names) and all(name in own for name in names)
+
+
+@contextlib.contextmanager
+def _without_lm_eval_catalogue():
+    """lm-eval's task managers made during the block index --include_path alone (its CLI builds its
+    own manager and has no flag for that)."""
+    import lm_eval.tasks  # noqa: PLC0415
+
+    full = lm_eval.tasks.TaskManager
+
+    class IncludedOnly(full):
+        def __init__(self, *args: Any, include_defaults: bool = False, **kwargs: Any):
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    lm_eval.tasks.TaskManager = IncludedOnly
+    try:
+        yield
+    finally:
+        lm_eval.tasks.TaskManager = full
+
+
 def main(argv: list[str] | None = None) -> int:
     """lm-eval's command line with `acache_jax` registered. With --model acache_jax, every model arg
     is checked first (lm-eval indexes its thousands of tasks before it builds the model), and
-    --include_path also reaches the adapter's affix mode."""
+    --include_path also reaches the adapter's affix mode. When --include_path holds every task
+    asked for, lm-eval's own tasks are not indexed."""
     from lm_eval.__main__ import cli_evaluate  # noqa: PLC0415
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -434,7 +468,9 @@ def main(argv: list[str] | None = None) -> int:
             # lm-eval hands the model its --batch_size (default 1) unless model_args hold one
             settings({"batch_size": getattr(known, "batch_size", 1)} | model_args)
         sys.argv = ["python -m acache_jax.lm_eval", *argv]
-        cli_evaluate()
+        included_only = known is not None and _only_included_tasks(known)
+        with _without_lm_eval_catalogue() if included_only else contextlib.nullcontext():
+            cli_evaluate()
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

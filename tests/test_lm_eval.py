@@ -97,6 +97,23 @@ def test_the_command_line_runs_both_kinds_of_task(data, model, tmp_path):
     assert results["acache_babi_choice"]["acc,none"] >= 0.75  # 8 locations: chance is 0.125
 
 
+def test_lm_eval_indexes_its_own_tasks_only_when_one_is_asked_for(manager):
+    """`--include_path` holding every task of `--tasks`: lm-eval's catalogue (some 15,000 task
+    configs, 9 s on a CPU) is not indexed; any other task name, or no --include_path, indexes it."""
+    import lm_eval.tasks
+
+    from acache_jax.lm_eval import _only_included_tasks, _without_lm_eval_catalogue, parser
+
+    parse = lambda *argv: parser().parse_known_args(["--model", "acache_jax", *argv])[0]
+    assert _only_included_tasks(parse("--tasks", "acache_codebook,acache_babi", "--include_path", str(TASKS)))
+    assert _only_included_tasks(parse("--tasks", "acache_codebook", "acache_babi", "--include_path", str(TASKS)))
+    assert not _only_included_tasks(parse("--tasks", "acache_codebook,hellaswag", "--include_path", str(TASKS)))
+    assert not _only_included_tasks(parse("--tasks", "acache_codebook"))
+    with _without_lm_eval_catalogue():
+        assert sorted(lm_eval.tasks.TaskManager(include_path=str(TASKS)).all_tasks) == sorted(manager.all_tasks)
+    assert lm_eval.tasks.TaskManager is TaskManager
+
+
 @pytest.mark.parametrize("ratio", [0.0, 0.2, 1.0])
 def test_affix_mode_scores_what_the_affix_sweep_does(manager, model, ratio):
     """The codebook task (answers only in the few-shot examples), 1-shot prefix affix, anchor ratio r:
