@@ -482,4 +482,6 @@ if __name__ == "__main__":
 
     sys.exit(_main())
 else:
+    import lm_eval.models  # noqa: E402, F401 (lm-eval loads its own models only into an empty registry)
+
     register_model(MODEL_NAME)(ACacheLM)

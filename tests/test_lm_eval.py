@@ -109,6 +109,7 @@ def test_lm_eval_indexes_its_own_tasks_only_when_one_is_asked_for(manager):
     assert _only_included_tasks(parse("--tasks", "acache_codebook", "acache_babi", "--include_path", str(TASKS)))
     assert not _only_included_tasks(parse("--tasks", "acache_codebook,hellaswag", "--include_path", str(TASKS)))
     assert not _only_included_tasks(parse("--tasks", "acache_codebook"))
+    assert lm_eval.api.registry.get_model("local-chat-completions")  # lm-eval's own models stay registered
     with _without_lm_eval_catalogue():
         assert sorted(lm_eval.tasks.TaskManager(include_path=str(TASKS)).all_tasks) == sorted(manager.all_tasks)
     assert lm_eval.tasks.TaskManager is TaskManager
