@@ -28,7 +28,7 @@ from acache_jax.layout import Batch, RequestError, affix_token_ids, bucket
 from acache_jax.model import ForwardInputs, Model, forward
 from acache_jax.sharding import place_kv
 
-Selector = Literal["attention", "hkvd", "random", "bottom"]
+Selector = Literal["attention", "hkvd", "hkvd_block", "random", "bottom"]
 
 
 def build_affix_cache(model: Model, affix_ids, bucketed: bool = False) -> AffixCache:
@@ -121,14 +121,22 @@ def anchor_ranking(score: jax.Array, valid: jax.Array | None = None) -> jax.Arra
 
 
 def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
-                   k: int, selector: Selector, attn_backend: str | None = None) -> jax.Array:
-    """[B, k] sorted affix-relative anchor indices per row."""
+                   k: int, selector: Selector, attn_backend: str | None = None, block_length: int = 0) -> jax.Array:
+    """[B, k] sorted affix-relative anchor indices per row.
+
+    hkvd_block: hkvd over each request's text and first block only (`block_length` masks, not the
+    whole generation): the signal hkvd finds comes from there (docs/RESULTS.md), at the cost of
+    one forward over the affix, the prompt and one block."""
     if selector == "attention":
         score = probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
     elif selector == "bottom":
         score = -probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
     elif selector == "hkvd":
         score = hkvd_deviation(graphdef, params, batch, affix, attn_backend)
+    elif selector == "hkvd_block":
+        if not 0 < block_length <= batch.gen_length:
+            raise RequestError(f"hkvd_block needs a block length in (0, {batch.gen_length}], got {block_length}")
+        score = hkvd_deviation(graphdef, params, batch.through_block(block_length), affix, attn_backend)
     elif selector == "random":
         score = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 7), (affix.length,)))(batch.keys)
     else:
@@ -136,4 +144,4 @@ def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State,
     return jnp.sort(anchor_ranking(score)[:, :k], axis=1)
 
 
-select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 1, 5, 6, 7))
+select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 1, 5, 6, 7, 8))

@@ -20,7 +20,7 @@ from acache_jax import sampling
 Family = Literal["llada", "dream"]
 CachePolicy = Literal["none", "prefix", "dual", "acache", "direct"]
 CACHE_POLICIES = ("none", "prefix", "dual", "acache", "direct")
-SELECTORS = ("attention", "hkvd", "random", "bottom")
+SELECTORS = ("attention", "hkvd", "hkvd_block", "random", "bottom")
 ATTENTION_BACKENDS = ("xla", "cudnn", "pallas")
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -275,7 +275,7 @@ class DecodeConfig:
     cfg_scale: float = 0.0  # classifier-free guidance (LLaDA)
     cache: CachePolicy = "dual"
     anchor_ratio: float = 0.2  # acache: K = min(ceil(ratio * L), L) anchors per request
-    selector: str = "attention"  # acache: attention | hkvd | random | bottom
+    selector: str = "attention"  # acache: attention | hkvd | hkvd_block | random | bottom
     drop_non_anchor: bool = False  # acache DropNA ablation: non-anchor affix K/V are discarded
     # A request whose finished block is all end-of-text (eos) commits the rest of its generation as
     # end-of-text without computing it. Off for upstream parity (upstream computes every block).

@@ -260,7 +260,7 @@ def generate(
     anchors_out: list[Any] = [np.zeros(0, np.int32)] * len(requests)
     nfe, ftok, seconds = (np.zeros(len(requests), dtype) for dtype in (np.int64, np.int64, np.float64))
     calls = 0
-    probe_forwards = config.selector in ("attention", "bottom", "hkvd") and k > 0
+    probe_forwards = config.selector != "random" and k > 0
     for chunk in chunks:
         start = time.perf_counter()
         batch = place_rows(make_batch([requests[i] for i in chunk], config.gen_length, model.config, affix_ids),
@@ -268,7 +268,7 @@ def generate(
         with use_mesh(model.mesh):
             if config.selective:
                 anchors = (select_anchors_jit(model.graphdef, model.config, model.params, batch, cache, k,
-                                              config.selector, config.attn_backend)
+                                              config.selector, config.attn_backend, config.block_length)
                            if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
                 result = decode_batch(model.graphdef, model.config, model.params, batch, _loop_key(config), cache,
                                       anchors)
@@ -280,7 +280,12 @@ def generate(
         g0 = batch.gen_start
         row_nfe, row_tokens, batch_calls = np.asarray(stats.nfe), np.asarray(stats.forward_tokens), int(stats.calls)
         if probe_forwards:  # the probe is one more forward over the request's tokens
-            probed = batch.valid if config.selector == "hkvd" else batch.valid & ~batch.affix_columns()
+            if config.selector == "hkvd":
+                probed = batch.valid
+            elif config.selector == "hkvd_block":
+                probed = batch.through_block(config.block_length).valid
+            else:
+                probed = batch.valid & ~batch.affix_columns()
             row_nfe, row_tokens, batch_calls = row_nfe + 1, row_tokens + np.asarray(probed.sum(-1)), batch_calls + 1
         for row, i in enumerate(chunk):
             tokens[i] = out[row, g0:g0 + config.gen_length]

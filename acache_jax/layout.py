@@ -143,6 +143,7 @@ class Batch:
     keys: jax.Array  # [B] PRNG keys, one per row
     affix_start: jax.Array  # [B] int32 column of the affix's first token (rows without one: 0)
     gen_start: int = dataclasses.field(metadata=dict(static=True))  # column of the first generated token
+    gen_length: int = dataclasses.field(metadata=dict(static=True))
     affix_len: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     def affix_columns(self) -> jax.Array:
@@ -154,6 +155,16 @@ class Batch:
     def affix_column_index(self) -> jax.Array:
         """[B, L] int: the column of each row's n-th affix token."""
         return self.affix_start[:, None] + jnp.arange(self.affix_len)[None]
+
+    def through_block(self, block_length: int) -> Batch:
+        """The batch without its generation columns after the first block (positions kept): each
+        request's text and first block, for a selector that runs them before decoding."""
+        end, cut = self.gen_start + block_length, self.gen_start + self.gen_length
+        keep = np.r_[0:end, cut:self.tokens.shape[1]]
+        after_gen = self.affix_start >= cut  # suffix affixes move left by the dropped columns
+        return dataclasses.replace(self, tokens=self.tokens[:, keep], positions=self.positions[:, keep],
+                                   valid=self.valid[:, keep], gen_length=block_length,
+                                   affix_start=jnp.where(after_gen, self.affix_start - (cut - end), self.affix_start))
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -249,4 +260,4 @@ def make_batch(
     keys = jnp.stack([jax.random.key(s) for s in seeds])
     has_affix = any(r.affix_position is not None for r in requests)
     return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid), keys, jnp.asarray(affix_start), left,
-                 len(affix) if has_affix and affix else 0)
+                 gen_length, len(affix) if has_affix and affix else 0)

@@ -8,12 +8,12 @@
 Per model, task, placement and shots, every policy decodes the same held-out questions with the
 same shared few-shot affix (full recompute = the dual cache, which recomputes the affix in place):
 - ACache at each `--ratios` value with the attention selector and KeepNA (ratio 0 = direct reuse);
-- at `--ablation-ratio`: DropNA (non-anchor affix K/V dropped) and the hkvd selector;
+- at `--ablation-ratio`: DropNA (non-anchor affix K/V dropped) and the hkvd and hkvd_block selectors;
 - per task, the accuracy without any affix.
 With --worlds W each accuracy is the mean over W worlds (seeds seed..seed+W-1, each with its own
 affix and n questions): a world's codebook has only four words, so it asks only four questions.
 Writes OUT/sweep.json, OUT/fig4_ratio.png (accuracy vs ratio per placement), OUT/fig5_selectors.png
-(attention vs hkvd), OUT/fig7_dropna.png (KeepNA vs DropNA) and OUT/RESULTS_table.md: per placement,
+(attention vs hkvd and hkvd_block), OUT/fig7_dropna.png (KeepNA vs DropNA) and OUT/RESULTS_table.md: per placement,
 direct / ablation ratio / full recompute and the fraction of the gap the ablation ratio recovers.
 """
 
@@ -45,7 +45,7 @@ def settings(ratios: list[float], ablation: float) -> dict[str, Any]:
     out: dict[str, dict] = {"full": {}}
     out |= {f"acache@{r:g}": dict(cache="acache", anchor_ratio=r) for r in ratios}
     out[f"dropna@{ablation:g}"] = dict(cache="acache", anchor_ratio=ablation, drop_non_anchor=True)
-    out[f"hkvd@{ablation:g}"] = dict(cache="acache", anchor_ratio=ablation, selector="hkvd")
+    out |= {f"{s}@{ablation:g}": dict(cache="acache", anchor_ratio=ablation, selector=s) for s in ("hkvd", "hkvd_block")}
     return out
 
 
@@ -83,11 +83,12 @@ def merge(paths: list[Path], ratios: list[float], n: int, seed: int, worlds: int
 
 
 def summary_table(rows: list[dict[str, Any]], ablation: float) -> str:
-    """Per (model, task, placement, shots): no affix, direct, ablation ratio, full, gap recovered, DropNA, hkvd."""
+    """Per (model, task, placement, shots): no affix, direct, ablation ratio, full, gap recovered, DropNA, hkvd,
+    hkvd_block."""
     index = {_key(r): r["accuracy"] for r in rows}
     a = f"{ablation:g}"
     lines = [f"| model | task | placement | shots | no affix | direct | ACache {a} | full | gap recovered | "
-             f"DropNA {a} | hkvd {a} |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"DropNA {a} | hkvd {a} | hkvd_block {a} |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (model, task, placement, shots, policy), _ in index.items():
         if policy != "full" or placement == "none":
             continue
@@ -98,7 +99,7 @@ def summary_table(rows: list[dict[str, Any]], ablation: float) -> str:
         no_affix = index.get((model, task, "none", 0, "full"), float("nan"))
         lines.append(f"| {model} | {task} | {placement} | {shots} | {no_affix:.2f} | "
                      f"{direct:.2f} | {mid:.2f} | {full:.2f} | {recovered} | {get(f'dropna@{a}'):.2f} | "
-                     f"{get(f'hkvd@{a}'):.2f} |")
+                     f"{get(f'hkvd@{a}'):.2f} | {get(f'hkvd_block@{a}'):.2f} |")
     return "\n".join(lines)
 
 
@@ -127,16 +128,17 @@ def plots(rows: list[dict[str, Any]], ratios: list[float], ablation: float, out:
     write_atomic(out / "fig4_ratio.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png"))
     plt.close(fig)
 
-    for name, policy, label in (("fig5_selectors.png", f"hkvd@{a}", "hkvd"),
-                                ("fig7_dropna.png", f"dropna@{a}", "DropNA")):
+    for name, others in (("fig5_selectors.png", {f"hkvd@{a}": "hkvd", f"hkvd_block@{a}": "hkvd_block"}),
+                         ("fig7_dropna.png", {f"dropna@{a}": "DropNA"})):
         fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.4), squeeze=False)
         for ax, (model, task) in zip(axes[0], groups):
             keys = [(p, k) for p in PLACEMENTS for k in shots]
             xs = range(len(keys))
-            base = [index.get((model, task, p, k, f"acache@{a}"), float("nan")) for p, k in keys]
-            other = [index.get((model, task, p, k, policy), float("nan")) for p, k in keys]
-            ax.bar([x - 0.2 for x in xs], base, 0.4, label=f"attention, KeepNA @{a}")
-            ax.bar([x + 0.2 for x in xs], other, 0.4, label=f"{label} @{a}")
+            bars = {f"acache@{a}": "attention, KeepNA", **others}
+            width = 0.8 / len(bars)
+            for i, (policy, label) in enumerate(bars.items()):
+                ys = [index.get((model, task, p, k, policy), float("nan")) for p, k in keys]
+                ax.bar([x + (i - (len(bars) - 1) / 2) * width for x in xs], ys, width, label=f"{label} @{a}")
             ax.set_xticks(list(xs), [f"{p[:3]} {k}" for p, k in keys], fontsize=7)
             ax.set(title=f"{model} / {task}", ylabel="accuracy", ylim=(0, 1.02))
         axes[0][0].legend(fontsize=7)

@@ -1,13 +1,13 @@
 """Anchor-selection cost at LLaDA-8B shape (random bf16 weights), per request, batch 1 and 16.
 
     python -m eval.bench_acache_probe [--layers 32] [--affix 400] [--prompt 100] [--batches 1,16]
-                                      [--selectors attention,hkvd] [--hkvd-gen 32]
+                                      [--selectors attention,hkvd,hkvd_block] [--block-length 32]
 
 The attention probe is one forward over a request's non-affix tokens (prompt + gen_length masks)
 against the shared affix K/V, scoring affix keys by the mask queries' attention (see
-acache_jax/acache.py), then top-K; hkvd is one full forward over the request with its affix (with
---hkvd-gen N, over the affix, the prompt and only the first N masks: the request's text and first
-block, which are what its deviation signal comes from, docs/RESULTS.md). Reported
+acache_jax/acache.py), then top-K; hkvd is one full forward over the request with its affix;
+hkvd_block one over the affix, the prompt and the first block's masks only (the request's text and
+first block, which are what hkvd's deviation signal comes from, docs/RESULTS.md). Reported
 per selector: median time of the jitted selection per batch, per request, and against the attention
 probe's (when measured).
 """
@@ -36,25 +36,24 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--backend", default="cudnn")
     parser.add_argument("--selectors", default="attention", help="comma-separated anchor selectors to time")
-    parser.add_argument("--hkvd-gen", type=int, help="masks in hkvd's forward (default: --gen)")
+    parser.add_argument("--block-length", type=int, default=32, help="hkvd_block's block")
     args = parser.parse_args()
     cfg = llada_8b(args.layers)
     model = random_model(cfg)
     rng = np.random.default_rng(0)
     affix = build_affix_cache(model, rng.integers(0, 126000, args.affix).tolist())
     k = math.ceil(args.ratio * args.affix)
-    hkvd_gen = args.gen if args.hkvd_gen is None else args.hkvd_gen
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; affix {args.affix}, prompt {args.prompt}, "
-          f"gen {args.gen} (hkvd's forward: {hkvd_gen}), K {k}")
+          f"gen {args.gen}, block {args.block_length}, K {k}")
     print("| selector | B | ms per batch | ms per request | x attention |\n|---|---|---|---|---|")
     for b in [int(x) for x in args.batches.split(",")]:
         reqs = [Request(rng.integers(0, 126000, args.prompt).tolist(), affix_position="prefix") for _ in range(b)]
-        batches = {gen: make_batch(reqs, gen, cfg, [int(t) for t in affix.ids]) for gen in {args.gen, hkvd_gen}}
+        batch = make_batch(reqs, args.gen, cfg, [int(t) for t in affix.ids])
         seconds = {}
         for selector in args.selectors.split(","):
-            batch = batches[hkvd_gen if selector == "hkvd" else args.gen]
             seconds[selector] = sec = median_seconds(functools.partial(
-                select_anchors_jit, model.graphdef, cfg, model.params, batch, affix, k, selector, args.backend))
+                select_anchors_jit, model.graphdef, cfg, model.params, batch, affix, k, selector, args.backend,
+                args.block_length))
             ratio = f"{sec / seconds['attention']:.2f}" if "attention" in seconds else "-"
             print(f"| {selector} | {b} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} | {ratio} |", flush=True)
 

@@ -56,7 +56,8 @@ def test_ratio_zero_is_direct_reuse(model, cache):
 
 # random and bottom select without the model's scores: one model is enough for them.
 @pytest.mark.parametrize("model,selector", [("llada", "attention"), ("llada", "hkvd"), ("llada", "random"),
-                                            ("llada", "bottom"), ("dream", "attention"), ("dream", "hkvd")],
+                                            ("llada", "bottom"), ("dream", "attention"), ("dream", "hkvd"),
+                                            ("dream", "hkvd_block")],
                          indirect=["model"])
 def test_each_row_equals_the_request_alone(model, cache, selector):
     config = DecodeConfig(cache="acache", anchor_ratio=0.2, selector=selector, **BASE)
@@ -164,16 +165,43 @@ def test_attention_selector_matches_a_plain_oracle(model, cache):
         assert oracle.sum() > 0
 
 
+@pytest.mark.parametrize("selector", ["hkvd", "hkvd_block"])
+def test_hkvd_selectors_match_a_per_request_oracle(model, cache, selector):
+    """An affix token's hkvd score is the deviation of its K/V over all layers between the request's
+    own forward (one unpadded row; hkvd_block: without the generation after the first block, the
+    other columns at their own positions) and the affix cache."""
+    config = DecodeConfig(cache="acache", anchor_ratio=0.2, selector=selector, **BASE)
+    result = generate(model, REQUESTS, config, affix=cache)
+    k = math.ceil(0.2 * len(AFFIX))
+    for i, r in enumerate(REQUESTS):
+        row = r.row(AFFIX, BASE["gen_length"], model.config.mask_token_id)
+        cols = np.arange(row.num_columns)
+        if selector == "hkvd_block":
+            cols = cols[(cols < row.gen_start + BASE["block_length"]) | (cols >= row.gen_start + row.gen_length)]
+        out = model.forward(jnp.asarray(row.tokens[cols])[None], ForwardInputs(jnp.asarray(cols, jnp.int32)[None]),
+                            with_logits=False)
+        at = np.flatnonzero(np.isin(cols, row.affix_columns))
+        f64 = lambda a: np.asarray(a, np.float64)
+        deviation = sum(((f64(ours[0])[at] - f64(cached)) ** 2).sum((1, 2))
+                        for ours, cached in zip(out.k + out.v, cache.k + cache.v))
+        assert result.anchors[i].tolist() == sorted(np.argsort(-deviation, kind="stable")[:k].tolist())
+
+
 def test_recompute_forward_width_is_anchors_plus_private(model, cache):
     """The block-start recompute computes K + non-affix tokens, not L + non-affix (fixed schedule:
     one token per step, 2 blocks of 8, so 2 recomputes, 14 block steps, 1 probe)."""
     r = REQUESTS[0]
     steps = dict(gen_length=16, block_length=8, threshold=None, steps=16)
     non_affix = len(r.prompt) + 16
-    for ratio in (0.0, 0.2, 0.5):
+    # what each selector's forward computes: the request's own tokens (the attention probe), all of
+    # it (hkvd), its text and first block (hkvd_block)
+    probed = dict(attention=non_affix, hkvd=len(AFFIX) + non_affix, hkvd_block=len(AFFIX) + len(r.prompt) + 8)
+    for ratio, selector in ((0.0, "attention"), (0.2, "attention"), (0.5, "attention"), (0.2, "hkvd"),
+                            (0.2, "hkvd_block")):
         k = math.ceil(ratio * len(AFFIX))
-        out = generate(model, [r], DecodeConfig(cache="acache", anchor_ratio=ratio, **steps), affix=cache)
-        probe = non_affix if k else 0
+        out = generate(model, [r], DecodeConfig(cache="acache", anchor_ratio=ratio, selector=selector, **steps),
+                       affix=cache)
+        probe = probed[selector] if k else 0
         assert out.forward_tokens[0] == probe + 2 * (k + non_affix) + 14 * 8
         assert out.nfe[0] == 16 + (1 if k else 0)
     dual = generate(model, [r], DecodeConfig(cache="dual", **steps), affix=AFFIX)

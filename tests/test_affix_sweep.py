@@ -28,7 +28,7 @@ def test_sweep_smoke(tmp_path):
                  "--ratios", "0,1", "-n", "4", "--out", str(out)]) == 0
     rows = json.loads((out / "sweep.json").read_text())["rows"]
     policies = {r["policy"] for r in rows if r["placement"] != "none"}
-    assert policies == {"full", "acache@0", "acache@1", "dropna@0.2", "hkvd@0.2"}
+    assert policies == {"full", "acache@0", "acache@1", "dropna@0.2", "hkvd@0.2", "hkvd_block@0.2"}
     acc = {(r["placement"], r["policy"]): r["accuracy"] for r in rows}
     assert acc[("suffix", "acache@1")] == acc[("suffix", "full")]  # every anchor recomputed: full recompute
     assert all(0.0 <= r["accuracy"] <= 1.0 for r in rows) and ("none", "full") in acc
@@ -85,6 +85,6 @@ def test_worlds_average_each_setting_over_consecutive_seeds(monkeypatch, tmp_pat
     monkeypatch.setattr(affix_sweep, "accuracy", fake_accuracy)
     monkeypatch.setattr(affix_sweep, "load", lambda path: SimpleNamespace(decode_config=DecodeConfig().replace))
     rows = list(affix_sweep.sweep([tmp_path / "m"], ["codebook"], ["prefix"], [1], [0.0], 0.2, n=4, seed=3, worlds=2))
-    assert len(rows) == 1 + 4  # no affix; full, acache@0, dropna, hkvd
+    assert len(rows) == 1 + 5  # no affix; full, acache@0, dropna, hkvd, hkvd_block
     assert all(r["accuracy"] == pytest.approx(0.35) for r in rows)  # mean of seeds 3 and 4
-    assert calls == [3, 4] * 5
+    assert calls == [3, 4] * 6
