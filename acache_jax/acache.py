@@ -27,6 +27,7 @@ from acache_jax.kv import AffixCache, read_set, rows_access
 from acache_jax.layout import Batch, RequestError, affix_token_ids, bucket
 from acache_jax.model import ForwardInputs, Model, forward
 from acache_jax.sharding import place_kv
+from pallas_kernels import rope
 
 Selector = Literal["attention", "hkvd", "hkvd_block", "random", "bottom"]
 
@@ -97,19 +98,29 @@ def probe_importance(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.Stat
     return out.probe
 
 
-def hkvd_deviation(graphdef: nnx.GraphDef, params: nnx.State, batch: Batch, affix: AffixCache,
+def affix_deviation(k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], affix_index: jax.Array,
+                    cached_k: tuple[jax.Array, ...], cached_v: tuple[jax.Array, ...], rope_theta: float) -> jax.Array:
+    """[B, N] CacheBlend-style deviation: per affix token, the L2 norm over all layers of the
+    difference between its K/V in a forward of the request (k, v: per layer [B, T, kv_heads,
+    head_dim], K before RoPE; `affix_index` [B, N]: its affix's columns) and in the affix cache
+    (per layer [N, ...] or [B, N, ...], K rotated at 0..N-1 as pools hold it). The request's K is
+    compared rotated at 0..N-1 too: the static path and the engine then score the same values."""
+    positions = jnp.broadcast_to(jnp.arange(affix_index.shape[1], dtype=jnp.int32), affix_index.shape)
+    at = lambda a: jnp.take_along_axis(a, affix_index[:, :, None, None], axis=1)
+    total = 0.0
+    for layer_k, layer_v, k_cached, v_cached in zip(k, v, cached_k, cached_v):
+        for ours, cached in ((rope(at(layer_k), positions, rope_theta), k_cached), (at(layer_v), v_cached)):
+            total = total + jnp.sum((ours.astype(jnp.float32) - cached.astype(jnp.float32)) ** 2, axis=(2, 3))
+    return jnp.sqrt(total)
+
+
+def hkvd_deviation(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
                    attn_backend: str | None = None) -> jax.Array:
-    """[B, L] CacheBlend-style deviation: per affix token, the L2 norm over all layers of the
-    difference between its K/V in the full request (one full forward) and in the affix-only cache."""
+    """[B, L] `affix_deviation` of one full forward of each row."""
     out = forward(graphdef, params, batch.tokens, ForwardInputs(batch.positions, batch.valid), with_logits=False,
                   attn_backend=attn_backend)
-    cols = batch.affix_column_index()
-    total = 0.0
-    for full, cached in ((out.k, affix.k), (out.v, affix.v)):
-        for layer_full, layer_cached in zip(full, cached):
-            here = jnp.take_along_axis(layer_full, cols[:, :, None, None], axis=1).astype(jnp.float32)
-            total = total + jnp.sum((here - layer_cached[None].astype(jnp.float32)) ** 2, axis=(2, 3))
-    return jnp.sqrt(total)
+    return affix_deviation(out.k, out.v, batch.affix_column_index(), affix.rotated_k(mcfg.rope_theta), affix.v,
+                           mcfg.rope_theta)
 
 
 def anchor_ranking(score: jax.Array, valid: jax.Array | None = None) -> jax.Array:
@@ -132,11 +143,11 @@ def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State,
     elif selector == "bottom":
         score = -probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
     elif selector == "hkvd":
-        score = hkvd_deviation(graphdef, params, batch, affix, attn_backend)
+        score = hkvd_deviation(graphdef, mcfg, params, batch, affix, attn_backend)
     elif selector == "hkvd_block":
         if not 0 < block_length <= batch.gen_length:
             raise RequestError(f"hkvd_block needs a block length in (0, {batch.gen_length}], got {block_length}")
-        score = hkvd_deviation(graphdef, params, batch.through_block(block_length), affix, attn_backend)
+        score = hkvd_deviation(graphdef, mcfg, params, batch.through_block(block_length), affix, attn_backend)
     elif selector == "random":
         score = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 7), (affix.length,)))(batch.keys)
     else:

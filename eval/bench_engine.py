@@ -33,6 +33,7 @@ import numpy as np
 
 from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.engine import Engine
+from acache_jax.engine.engine import ENGINE_SELECTORS
 from acache_jax.layout import Request
 from acache_jax.files import write_atomic
 from eval.bench_decode import PEAK_TFLOPS, llada_8b, parse_meshes, random_model
@@ -80,7 +81,8 @@ def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[i
     # Sized per case: the warm-up compiles several cases at once, each holding its engine's pool.
     pool_tokens = batch * (len(affix) + QUESTION_TOKENS + args.gen) + len(affix) + 64 * batch
     configs = {p: DecodeConfig(gen_length=args.gen, block_length=args.block, steps=args.steps, threshold=None,
-                               cache=c, anchor_ratio=args.ratio, attn_backend=args.backend, early_stop=False)
+                               cache=c, anchor_ratio=args.ratio, selector=args.selector, attn_backend=args.backend,
+                               early_stop=False)
                for p, c in POLICIES.items()}
     return affix, requests, pool_tokens, configs
 
@@ -192,6 +194,7 @@ def main(argv=None) -> None:
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--steps", type=int, default=32, help="fixed schedule: gen/steps tokens committed per forward")
     ap.add_argument("--ratio", type=float, default=0.2)
+    ap.add_argument("--selector", default="attention", choices=ENGINE_SELECTORS, help="ACache's anchor selector")
     ap.add_argument("--backend", default=None, help="attention backend (default: pallas on a GPU)")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new cases after this")
     ap.add_argument("--compile-threads", type=int, default=8, help="cases compiled in parallel before timing")

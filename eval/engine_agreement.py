@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from acache_jax.checkpoint import load
+from acache_jax.config import SELECTORS
 from acache_jax.decode import generate
 from acache_jax.engine import Engine
 from acache_jax.files import check_output_path, write_atomic
@@ -75,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", default=",".join(STUDY_TASKS), help="comma-separated tasks, taken in turn")
     p.add_argument("--gen-length", type=int, help="default: the model's")
     p.add_argument("--no-early-stop", action="store_true", help="compute every block")
+    p.add_argument("--selector", choices=SELECTORS, help="the anchor selector (default: the config's)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     return p
 
@@ -90,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             settings = dict(early_stop=not args.no_early_stop)
             if args.gen_length:
                 settings["gen_length"] = args.gen_length
+            if args.selector:
+                settings["selector"] = args.selector
             for row in agreement(model, args.n, args.policies.split(","), shots, tuple(args.tasks.split(",")),
                                  **settings):
                 rows.append(dict(model=Path(directory).name, dtype=args.dtype, **row))

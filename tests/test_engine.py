@@ -48,7 +48,9 @@ SHUFFLED = [3, 0, 4, 2, 1]
     ("llada", "direct", dict(threshold=None, steps=8), [SHUFFLED]),
     ("llada", "acache", dict(anchor_ratio=0.2, drop_non_anchor=True), [SHUFFLED]),
     ("dream", "acache", dict(anchor_ratio=0.3, temperature=0.7), [range(len(REQUESTS)), SHUFFLED]),
-    ("dream", "direct", dict(threshold=None, steps=8), [SHUFFLED])], indirect=["model"])
+    ("dream", "direct", dict(threshold=None, steps=8), [SHUFFLED]),
+    ("llada", "acache", dict(anchor_ratio=0.3, selector="hkvd_block"), [SHUFFLED]),
+    ("dream", "acache", dict(anchor_ratio=0.3, selector="hkvd"), [SHUFFLED])], indirect=["model"])
 def test_engine_equals_static_path_in_any_order(model, cache, extra, orders):
     """Same tokens, anchors and NFE as `generate`, with requests queued (batch 2) and finishing at
     different times, in any submission order."""
@@ -132,6 +134,8 @@ def test_engine_rejects_what_it_cannot_run(fixtures_dir):
         Engine(model, DecodeConfig(cache="prefix"))
     with pytest.raises(DecodeError, match="guidance"):
         Engine(model, DecodeConfig(cache="dual", cfg_scale=1.0))
+    with pytest.raises(DecodeError, match="selects anchors with .* not 'random'"):
+        Engine(model, DecodeConfig(cache="acache", selector="random"))
     with pytest.raises(RequestError, match="no affix_position"):
         Engine(model, DecodeConfig(cache="acache", gen_length=16, block_length=8)).add(Request([1, 2, 3]), AFFIX)
     np.testing.assert_equal(Engine(model, DecodeConfig(cache="dual", gen_length=8, block_length=8),

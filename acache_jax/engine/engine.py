@@ -32,6 +32,7 @@ from acache_jax.model import Model
 from acache_jax.sharding import use_mesh
 
 ENGINE_POLICIES = {"dual": "baseline", "acache": "acache", "direct": "acache"}
+ENGINE_SELECTORS = ("attention", "bottom", "hkvd", "hkvd_block")
 
 
 @dataclasses.dataclass
@@ -83,8 +84,8 @@ def check_engine_config(config: DecodeConfig) -> None:
         raise DecodeError(f"the engine runs the cache policies {tuple(ENGINE_POLICIES)}, not {config.cache!r}")
     if config.cfg_scale > 0:
         raise DecodeError("classifier-free guidance is not supported by the engine")
-    if config.selective and config.selector not in ("attention", "bottom"):
-        raise DecodeError(f"the engine selects anchors with 'attention' or 'bottom', not {config.selector!r}")
+    if config.selective and config.selector not in ENGINE_SELECTORS:
+        raise DecodeError(f"the engine selects anchors with {ENGINE_SELECTORS}, not {config.selector!r}")
 
 
 class Engine:

@@ -8,6 +8,9 @@ buffer (`pack`), with one wait for both results:
   already compiled, at most 1.5x), with the block commits and the probes' rankings;
 - the block loop: in-block steps of the recomputed and decoding requests, on the device, until
   one of them has finished its block.
+Under the hkvd selectors a new request's anchors come from a third call instead of the packed
+forward's probe: a dense forward of its text (hkvd_block: and first block) scored against the
+affix K/V in its shared slots (`deviation_ranking`).
 Tokens write their K/V into the pool and read their request's slots (acache_jax/kv.py); padding
 tokens write nowhere and sit in no query tile.
 """
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax import sampling
-from acache_jax.acache import anchor_ranking
+from acache_jax.acache import affix_deviation, anchor_ranking
 from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.engine.scheduler import Plan, StepOutput
 from acache_jax.engine.sequence import SequenceState
@@ -178,6 +181,23 @@ def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params
 
     pool, rows, count = jax.lax.while_loop(unfinished, body, (pool, rows, jnp.int32(0)))
     return pool, rows, count
+
+
+DEVIATION_SELECTORS = ("hkvd", "hkvd_block")  # selectors ranked by `deviation_ranking`
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def deviation_ranking(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool,
+                      tokens: jax.Array, positions: jax.Array, valid: jax.Array, affix_index: jax.Array,
+                      shared_slots: jax.Array, affix_valid: jax.Array) -> jax.Array:
+    """[P, N] each probed request's affix indices best first, by `affix_deviation` of its dense
+    forward (tokens [P, T] at `positions`, keys where `valid`; its affix at columns `affix_index`
+    [P, N]) against the affix K/V its shared slots [P, N] hold."""
+    out = structure.forward(params, tokens, ForwardInputs(positions, valid), with_logits=False,
+                            attn_backend=cfg.attn_backend)
+    score = affix_deviation(out.k, out.v, affix_index, tuple(k[shared_slots] for k in pool.k),
+                            tuple(v[shared_slots] for v in pool.v), structure.config.rope_theta)
+    return anchor_ranking(score, affix_valid)
 
 
 def _store_affix(pool: KVPool, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], slots: jax.Array,
@@ -408,9 +428,52 @@ class Runner:
             list(ex.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
         return len(programs)
 
+    def _deviation_ranking(self, probe: list[SequenceState]) -> jax.Array:
+        """Dispatch the hkvd selectors' forward for the newly admitted (their text, hkvd_block: and
+        first block, each column at its own position) and return their rankings (on the device)."""
+        cfg, mcfg = self.config, self.model.config
+        columns = []
+        for seq in probe:
+            cols, row = np.arange(seq.num_columns, dtype=np.int32), seq.row
+            if cfg.selector == "hkvd_block":
+                cols = cols[(cols < row.gen_start + cfg.block_length) | (cols >= row.gen_start + row.gen_length)]
+            columns.append(cols)
+        n_rows, width = row_bucket(len(probe)), bucket(max(len(c) for c in columns))
+        affix_width = bucket(max(seq.affix_len for seq in probe))
+        tokens = _rows([s.tokens[c] for s, c in zip(probe, columns)], width, n_rows, mcfg.pad_token_id)
+        positions = _rows(columns, width, n_rows, 0)
+        valid = np.arange(width)[None] < np.asarray([len(c) for c in columns] + [1] * (n_rows - len(probe)))[:, None]
+        affix_index = _rows([np.searchsorted(c, s.row.affix_columns) for s, c in zip(probe, columns)], affix_width,
+                            n_rows, 0)
+        shared = _rows([s.shared_slots for s in probe], affix_width, n_rows, 0)
+        affix_valid = np.arange(affix_width)[None] < np.asarray([s.affix_len for s in probe]
+                                                                + [0] * (n_rows - len(probe)))[:, None]
+        lengths = np.asarray([len(c) for c in columns])
+        for seq, n in zip(probe, lengths):
+            seq.forward_tokens += int(n)
+        self.forward_tokens += int(lengths.sum())
+        self.padded_tokens += n_rows * width
+        self.work.append((int(lengths.sum()), int((lengths ** 2).sum()), 0))
+        inputs = jax.device_put((tokens, positions, valid, affix_index, shared, affix_valid))
+        return deviation_ranking(self.structure, self.program_config, self.params, self.pool, *inputs)
+
     def run(self, plan: Plan) -> StepOutput:
         """Run one iteration of the plan and return what the host must know."""
         cfg = self.program_config
+        probed, ranking = len(plan.probe), None
+        if plan.probe and cfg.selector in DEVIATION_SELECTORS:  # ranked by their own call, not the probe
+            start = time.perf_counter()
+            ranking = self._deviation_ranking(plan.probe)
+            if self.profile:
+                jax.block_until_ready(ranking)
+                self.timings.packed.append(("probe", time.perf_counter() - start))
+            plan = dataclasses.replace(plan, probe=[])
+            if plan.empty:
+                called = time.perf_counter()
+                ranking = np.asarray(jax.device_get(ranking))[:probed]
+                self.device_seconds += time.perf_counter() - called
+                return StepOutput(np.zeros((0, cfg.block_length), np.int32), np.zeros(0, np.int64),
+                                  np.zeros(0, np.int64), ranking)
         # Rows for max_batch segments whatever the plan holds (the last row stays empty): the
         # packed step's program then depends on its token bucket alone. Spare rows cost only their
         # block's logits, once per iteration.
@@ -420,7 +483,9 @@ class Runner:
         loop_packing, loop_buffer = pack((reads, self._loop(plan, n_rows))) if plan.loop else (None, None)
         step_buffer, loop_buffer = jax.device_put((step_buffer, loop_buffer))  # the inputs, in one call
         start = called = time.perf_counter()
-        self.pool, after, ranking = packed_step(self.structure, cfg, step_packing, self.params, self.pool, step_buffer)
+        self.pool, after, probe_ranking = packed_step(self.structure, cfg, step_packing, self.params, self.pool,
+                                                      step_buffer)
+        ranking = probe_ranking if ranking is None else ranking
         if self.profile:
             jax.block_until_ready(after)
             kinds = "+".join(k for k, v in (("probe", plan.probe), ("recompute", plan.recompute),
@@ -436,9 +501,10 @@ class Runner:
         if self.profile and plan.loop:
             self.timings.loop.append((int(count), time.perf_counter() - start))
         loop = plan.loop
+        ranking = None if ranking is None else np.asarray(ranking)[:probed]
         if not loop:
             return StepOutput(np.zeros((0, cfg.block_length), np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                              None if ranking is None else np.asarray(ranking)[:len(plan.probe)])
+                              ranking)
         first = len(plan.probe)
         before_loop = np.asarray(after.nfe)[first:first + len(loop)]
         nfe = np.asarray(rows.nfe)[:len(loop)]
@@ -452,5 +518,4 @@ class Runner:
             self.work.append((rows_left * cfg.block_length, int(keys[(nfe - before_loop) > i].sum()) * cfg.block_length,
                               rows_left * cfg.block_length))
         return StepOutput(np.asarray(rows.block)[:len(loop)], nfe - np.asarray([s.nfe for s in loop]),
-                          np.asarray(rows.step)[:len(loop)] - np.asarray([s.step for s in loop]),
-                          None if ranking is None else np.asarray(ranking)[:len(plan.probe)])
+                          np.asarray(rows.step)[:len(loop)] - np.asarray([s.step for s in loop]), ranking)
