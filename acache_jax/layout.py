@@ -117,6 +117,12 @@ class Row:
     def affix_columns(self) -> np.ndarray:
         return np.arange(self.affix_start, self.affix_start + self.affix_len, dtype=np.int32)
 
+    def columns_through_block(self, block_length: int) -> np.ndarray:
+        """int32: every column but the generation's after its first block (what hkvd_block runs;
+        `Batch.through_block` is the same cut of a padded batch)."""
+        cols = np.arange(self.num_columns, dtype=np.int32)
+        return cols[(cols < self.gen_start + block_length) | (cols >= self.gen_start + self.gen_length)]
+
     def private_columns(self, anchors: np.ndarray) -> np.ndarray:
         """int32 [T - L + K]: the anchors' columns and every non-affix column, in column order."""
         private = np.ones(self.num_columns, bool)

@@ -13,8 +13,9 @@ same shared few-shot affix (full recompute = the dual cache, which recomputes th
 With --worlds W each accuracy is the mean over W worlds (seeds seed..seed+W-1, each with its own
 affix and n questions): a world's codebook has only four words, so it asks only four questions.
 Writes OUT/sweep.json, OUT/fig4_ratio.png (accuracy vs ratio per placement), OUT/fig5_selectors.png
-(attention vs hkvd and hkvd_block), OUT/fig7_dropna.png (KeepNA vs DropNA) and OUT/RESULTS_table.md: per placement,
-direct / ablation ratio / full recompute and the fraction of the gap the ablation ratio recovers.
+(attention vs hkvd and hkvd_block), OUT/fig7_dropna.png (KeepNA vs DropNA) and OUT/RESULTS_table.md:
+per placement, direct / ablation ratio / full recompute and the fraction of the gap the ablation
+ratio recovers.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def settings(ratios: list[float], ablation: float) -> dict[str, Any]:
     out: dict[str, dict] = {"full": {}}
     out |= {f"acache@{r:g}": dict(cache="acache", anchor_ratio=r) for r in ratios}
     out[f"dropna@{ablation:g}"] = dict(cache="acache", anchor_ratio=ablation, drop_non_anchor=True)
-    out |= {f"{s}@{ablation:g}": dict(cache="acache", anchor_ratio=ablation, selector=s) for s in ("hkvd", "hkvd_block")}
+    out |= {f"{s}@{ablation:g}": dict(cache="acache", anchor_ratio=ablation, selector=s)
+            for s in ("hkvd", "hkvd_block")}
     return out
 
 

@@ -432,23 +432,19 @@ class Runner:
         """Dispatch the hkvd selectors' forward for the newly admitted (their text, hkvd_block: and
         first block, each column at its own position) and return their rankings (on the device)."""
         cfg, mcfg = self.config, self.model.config
-        columns = []
-        for seq in probe:
-            cols, row = np.arange(seq.num_columns, dtype=np.int32), seq.row
-            if cfg.selector == "hkvd_block":
-                cols = cols[(cols < row.gen_start + cfg.block_length) | (cols >= row.gen_start + row.gen_length)]
-            columns.append(cols)
-        n_rows, width = row_bucket(len(probe)), bucket(max(len(c) for c in columns))
+        columns = [s.row.columns_through_block(cfg.block_length) if cfg.selector == "hkvd_block"
+                   else np.arange(s.num_columns, dtype=np.int32) for s in probe]
+        lengths = np.asarray([len(c) for c in columns])
+        n_rows, width = row_bucket(len(probe)), bucket(int(lengths.max()))
         affix_width = bucket(max(seq.affix_len for seq in probe))
+        spare = n_rows - len(probe)
         tokens = _rows([s.tokens[c] for s, c in zip(probe, columns)], width, n_rows, mcfg.pad_token_id)
         positions = _rows(columns, width, n_rows, 0)
-        valid = np.arange(width)[None] < np.asarray([len(c) for c in columns] + [1] * (n_rows - len(probe)))[:, None]
+        valid = np.arange(width)[None] < np.concatenate([lengths, np.ones(spare, np.int64)])[:, None]
         affix_index = _rows([np.searchsorted(c, s.row.affix_columns) for s, c in zip(probe, columns)], affix_width,
                             n_rows, 0)
         shared = _rows([s.shared_slots for s in probe], affix_width, n_rows, 0)
-        affix_valid = np.arange(affix_width)[None] < np.asarray([s.affix_len for s in probe]
-                                                                + [0] * (n_rows - len(probe)))[:, None]
-        lengths = np.asarray([len(c) for c in columns])
+        affix_valid = np.arange(affix_width)[None] < np.asarray([s.affix_len for s in probe] + [0] * spare)[:, None]
         for seq, n in zip(probe, lengths):
             seq.forward_tokens += int(n)
         self.forward_tokens += int(lengths.sum())
@@ -456,6 +452,11 @@ class Runner:
         self.work.append((int(lengths.sum()), int((lengths ** 2).sum()), 0))
         inputs = jax.device_put((tokens, positions, valid, affix_index, shared, affix_valid))
         return deviation_ranking(self.structure, self.program_config, self.params, self.pool, *inputs)
+
+    def _no_loop_output(self, ranking: np.ndarray | None) -> StepOutput:
+        """What an iteration without loop requests returns: only the probed requests' rankings."""
+        return StepOutput(np.zeros((0, self.config.block_length), np.int32), np.zeros(0, np.int64),
+                          np.zeros(0, np.int64), ranking)
 
     def run(self, plan: Plan) -> StepOutput:
         """Run one iteration of the plan and return what the host must know."""
@@ -472,8 +473,7 @@ class Runner:
                 called = time.perf_counter()
                 ranking = np.asarray(jax.device_get(ranking))[:probed]
                 self.device_seconds += time.perf_counter() - called
-                return StepOutput(np.zeros((0, cfg.block_length), np.int32), np.zeros(0, np.int64),
-                                  np.zeros(0, np.int64), ranking)
+                return self._no_loop_output(ranking)
         # Rows for max_batch segments whatever the plan holds (the last row stays empty): the
         # packed step's program then depends on its token bucket alone. Spare rows cost only their
         # block's logits, once per iteration.
@@ -503,8 +503,7 @@ class Runner:
         loop = plan.loop
         ranking = None if ranking is None else np.asarray(ranking)[:probed]
         if not loop:
-            return StepOutput(np.zeros((0, cfg.block_length), np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64),
-                              ranking)
+            return self._no_loop_output(ranking)
         first = len(plan.probe)
         before_loop = np.asarray(after.nfe)[first:first + len(loop)]
         nfe = np.asarray(rows.nfe)[:len(loop)]
