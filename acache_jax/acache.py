@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,17 +123,33 @@ def hkvd_deviation(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State,
                            mcfg.rope_theta)
 
 
-def anchor_ranking(score: jax.Array, valid: jax.Array | None = None) -> jax.Array:
-    """[B, N] affix indices best first (ties: the lower index first; rows' invalid entries last):
-    a request's anchors are the first K of its row, the one ranking rule of every path."""
+class Ranking(NamedTuple):
+    """Per request, its affix indices best first, and how many of the best an anchor mass asks for."""
+
+    order: jax.Array  # [B, N]; ties: the lower index first; a row's invalid entries last
+    covering: jax.Array  # [B] int32: the fewest best entries holding the mass (N without a mass)
+
+
+def anchor_ranking(score: jax.Array, valid: jax.Array | None = None, mass: float | None = None) -> Ranking:
+    """A request's anchors are the first K of its order, the one ranking rule of every path; under
+    an adaptive budget K is its `covering` count clipped to the budget's bounds (on the host in the
+    engine, in `select_anchors` on the static path). Negative scores hold no mass."""
     if valid is not None:
         score = jnp.where(valid, score, -jnp.inf)
-    return jnp.argsort(-score, axis=1, stable=True).astype(jnp.int32)
+    order = jnp.argsort(-score, axis=1, stable=True).astype(jnp.int32)
+    if mass is None:
+        return Ranking(order, jnp.full(score.shape[:1], score.shape[1], jnp.int32))
+    held = jnp.cumsum(jnp.maximum(jnp.take_along_axis(score, order, axis=1), 0.0), axis=1)
+    covering = jnp.sum(held < mass * held[:, -1:], axis=1, dtype=jnp.int32) + 1
+    return Ranking(order, covering)
 
 
 def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
-                   k: int, selector: Selector, attn_backend: str | None = None, block_length: int = 0) -> jax.Array:
-    """[B, k] sorted affix-relative anchor indices per row.
+                   k: int, selector: Selector, attn_backend: str | None = None, block_length: int = 0,
+                   mass: float | None = None, k_min: int = 0) -> jax.Array:
+    """[B, k] sorted affix-relative anchor indices per row. Under an anchor `mass` a row keeps its
+    covering count, clipped to [k_min, k], and the rest of its entries are L (no anchor: sorted last,
+    outside the affix).
 
     hkvd_block: hkvd over each request's text and first block only (`block_length` masks, not the
     whole generation): the signal hkvd finds comes from there (docs/RESULTS.md), at the cost of
@@ -152,7 +168,12 @@ def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State,
         score = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 7), (affix.length,)))(batch.keys)
     else:
         raise RequestError(f"unknown anchor selector {selector!r}; choose one of {SELECTORS}")
-    return jnp.sort(anchor_ranking(score)[:, :k], axis=1)
+    ranking = anchor_ranking(score, mass=mass)
+    top = ranking.order[:, :k]
+    if mass is not None:
+        kept = jnp.clip(ranking.covering, k_min, k)
+        top = jnp.where(jnp.arange(k)[None] < kept[:, None], top, affix.length)
+    return jnp.sort(top, axis=1)
 
 
-select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 1, 5, 6, 7, 8))
+select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 1, 5, 6, 7, 8, 9, 10))

@@ -234,7 +234,8 @@ FIELD_KINDS = {
     "gen_length": "int", "block_length": "int", "steps": "opt int", "threshold": "opt float",
     "factor": "opt float", "temperature": "float", "remasking": "str", "alg": "str", "alg_temp": "float",
     "top_p": "opt float", "top_k": "opt int", "cfg_scale": "float", "cache": "str", "anchor_ratio": "float",
-    "selector": "str", "drop_non_anchor": "bool", "early_stop": "bool", "attn_backend": "opt str",
+    "anchor_mass": "opt float", "anchor_min_ratio": "float", "selector": "str", "drop_non_anchor": "bool",
+    "early_stop": "bool", "attn_backend": "opt str",
 }
 
 
@@ -275,6 +276,11 @@ class DecodeConfig:
     cfg_scale: float = 0.0  # classifier-free guidance (LLaDA)
     cache: CachePolicy = "dual"
     anchor_ratio: float = 0.2  # acache: K = min(ceil(ratio * L), L) anchors per request
+    # Adaptive budget (None: every request gets K): a request's anchors are the fewest of its
+    # best-ranked affix tokens that hold this share of its selector's score mass, at least
+    # anchor_min_ratio and at most anchor_ratio of its affix.
+    anchor_mass: float | None = None
+    anchor_min_ratio: float = 0.0
     selector: str = "attention"  # acache: attention | hkvd | hkvd_block | random | bottom
     drop_non_anchor: bool = False  # acache DropNA ablation: non-anchor affix K/V are discarded
     # A request whose finished block is all end-of-text (eos) commits the rest of its generation as
@@ -288,7 +294,14 @@ class DecodeConfig:
         return self.cache in ("acache", "direct")
 
     def anchors(self, affix_len: int) -> int:
+        """The most anchors a request with this affix gets (all of them under a fixed budget)."""
         return 0 if self.cache == "direct" else anchor_count(self.anchor_ratio, affix_len)
+
+    def min_anchors(self, affix_len: int) -> int:
+        """The fewest anchors a request with this affix gets."""
+        if self.anchor_mass is None:
+            return self.anchors(affix_len)
+        return min(anchor_count(self.anchor_min_ratio, affix_len), self.anchors(affix_len))
 
     @property
     def num_blocks(self) -> int:
@@ -306,9 +319,10 @@ class DecodeConfig:
         )
 
     def program_key(self) -> DecodeConfig:
-        """This config as compiled programs' static argument: the anchor ratio only decides how many
+        """This config as compiled programs' static argument: the anchor ratios only bound how many
         anchors a request gets (on the host), so configs that differ only there share programs."""
-        return dataclasses.replace(self, anchor_ratio=DecodeConfig.anchor_ratio)
+        return dataclasses.replace(self, anchor_ratio=DecodeConfig.anchor_ratio,
+                                   anchor_min_ratio=DecodeConfig.anchor_min_ratio)
 
     def replace(self, **overrides: Any) -> DecodeConfig:
         """A copy with these fields changed (validated); an unknown field name is an error."""
@@ -359,6 +373,13 @@ class DecodeConfig:
             fail(f"unknown Dream alg {self.alg!r}; choose origin, maskgit_plus, topk_margin or entropy")
         if not 0.0 <= self.anchor_ratio <= 1.0:
             fail(f"anchor ratio must be in [0, 1], got {self.anchor_ratio}")
+        if self.anchor_mass is not None:
+            if not 0.0 < self.anchor_mass <= 1.0:
+                fail(f"anchor mass must be in (0, 1], got {self.anchor_mass}")
+            if not 0.0 <= self.anchor_min_ratio <= self.anchor_ratio:
+                fail(f"anchor min ratio must be in [0, anchor_ratio={self.anchor_ratio}], got {self.anchor_min_ratio}")
+            if self.selector == "bottom":
+                fail("an anchor mass needs a selector whose scores are importances, not 'bottom'")
         if self.selector not in SELECTORS:
             fail(f"unknown anchor selector {self.selector!r}; choose one of {SELECTORS}")
 

@@ -107,16 +107,18 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
 
     if cfg.selective:
         # Private columns: anchors + every non-affix column (padding included, as invalid tokens):
-        # exactly T - L + K per row, in column order, each with its own pool row.
+        # T - L + K per row, in column order, each with its own pool row. A row with fewer anchors
+        # (entries = L: none) fills its T - L + K with shared columns, computed but never read.
         L, k = affix.length, anchors.shape[1]
         n_private = t - L + k
         is_affix = batch.affix_columns()
         is_anchor = jnp.zeros((b, t), bool).at[row_ids, batch.affix_start[:, None] + anchors].set(True) & is_affix
         shared = is_affix & ~is_anchor  # read from the affix rows, never recomputed
         private = jnp.argsort(shared, axis=1, stable=True)[:, :n_private]
+        private_valid = take(batch.valid & ~shared, private)
         compact = jnp.cumsum(~shared, axis=1) - 1  # column -> index among the private columns
         own_slot = L + row_ids * n_private  # a row's first private pool row
-        reads = (read_set(own_slot + jnp.arange(n_private)[None], take(batch.valid, private), zero),)
+        reads = (read_set(own_slot + jnp.arange(n_private)[None], private_valid, zero),)
         if not cfg.drop_non_anchor:
             anchor_local = jnp.zeros((b, L), bool).at[row_ids, anchors].set(True)
             reads += (read_set(jnp.broadcast_to(jnp.arange(L), (b, L)), ~anchor_local,
@@ -136,7 +138,7 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
             return logits, pool, batch.valid.sum(-1)
         logits, pool = forward(take(x, private), take(batch.positions, private),
                                own_slot + jnp.arange(n_private)[None], reads, pool, take(compact, idx))
-        return logits, pool, take(batch.valid, private).sum(-1)
+        return logits, pool, private_valid.sum(-1)
 
     def block_body(carry):
         blk, x, pool, nfe, ftok, calls = carry
@@ -201,9 +203,9 @@ decode_batch = jax.jit(_decode, static_argnums=(0, 1, 4))
 
 def _loop_key(config: DecodeConfig) -> DecodeConfig:
     """`config` as the decode loop's static argument: anchors are selected before the loop and
-    passed in, so configs that differ only in how they were selected (selector, ratio) share one
+    passed in, so configs that differ only in how they were selected (selector, budget) share one
     compiled loop (a sweep over selectors compiles the loop once per shape)."""
-    return dataclasses.replace(config.program_key(), selector=DecodeConfig.selector)
+    return dataclasses.replace(config.program_key(), selector=DecodeConfig.selector, anchor_mass=None)
 
 
 def check_policy(config: DecodeConfig, request: Request, affix: Sequence[int] | None) -> None:
@@ -268,7 +270,8 @@ def generate(
         with use_mesh(model.mesh):
             if config.selective:
                 anchors = (select_anchors_jit(model.graphdef, model.config, model.params, batch, cache, k,
-                                              config.selector, config.attn_backend, config.block_length)
+                                              config.selector, config.attn_backend, config.block_length,
+                                              config.anchor_mass, config.min_anchors(cache.length))
                            if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
                 result = decode_batch(model.graphdef, model.config, model.params, batch, _loop_key(config), cache,
                                       anchors)
@@ -291,6 +294,6 @@ def generate(
             tokens[i] = out[row, g0:g0 + config.gen_length]
             nfe[i], ftok[i], seconds[i] = row_nfe[row], row_tokens[row], elapsed
             if anchors is not None:
-                anchors_out[i] = anchors[row]
+                anchors_out[i] = anchors[row][anchors[row] < cache.length]
         calls += batch_calls
     return GenerateResult(tokens, anchors_out, nfe, ftok, seconds, calls)

@@ -165,6 +165,28 @@ def test_attention_selector_matches_a_plain_oracle(model, cache):
         assert oracle.sum() > 0
 
 
+def test_an_adaptive_budget_keeps_the_anchors_covering_the_mass(model, cache):
+    """Under an anchor mass each row keeps the fewest of its best-probed affix tokens that hold that
+    share of its importance (the plain oracle's), clipped to the ratio bounds, and decodes in the
+    batch exactly as alone with a fixed budget of that many anchors (same tokens, NFE, forward tokens)."""
+    ratio, mass, floor, L = 0.5, 0.4, 0.1, len(AFFIX)
+    config = DecodeConfig(cache="acache", anchor_ratio=ratio, anchor_mass=mass, anchor_min_ratio=floor, **BASE)
+    batched = generate(model, REQUESTS, config, affix=cache)
+    kept = []
+    for i, r in enumerate(REQUESTS):
+        score = _oracle_importance(model, r)
+        order = np.argsort(-score, kind="stable")
+        held = np.cumsum(score[order])
+        k = int(np.clip(np.searchsorted(held, mass * held[-1]) + 1, math.ceil(floor * L), math.ceil(ratio * L)))
+        assert batched.anchors[i].tolist() == sorted(order[:k].tolist())
+        fixed = generate(model, [r], config.replace(anchor_mass=None, anchor_ratio=(k - 0.5) / L), affix=cache)
+        assert batched.anchors[i].tolist() == fixed.anchors[0].tolist()
+        assert batched.tokens[i].tolist() == fixed.tokens[0].tolist()
+        assert batched.nfe[i] == fixed.nfe[0] and batched.forward_tokens[i] == fixed.forward_tokens[0]
+        kept.append(k)
+    assert len(set(kept)) > 1, kept  # the rows' budgets differ
+
+
 @pytest.mark.parametrize("selector", ["hkvd", "hkvd_block"])
 def test_hkvd_selectors_match_a_per_request_oracle(model, cache, selector):
     """An affix token's hkvd score is the deviation of its K/V over all layers between the request's

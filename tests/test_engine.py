@@ -50,7 +50,9 @@ SHUFFLED = [3, 0, 4, 2, 1]
     ("dream", "acache", dict(anchor_ratio=0.3, temperature=0.7), [range(len(REQUESTS)), SHUFFLED]),
     ("dream", "direct", dict(threshold=None, steps=8), [SHUFFLED]),
     ("llada", "acache", dict(anchor_ratio=0.3, selector="hkvd_block"), [SHUFFLED]),
-    ("dream", "acache", dict(anchor_ratio=0.3, selector="hkvd"), [SHUFFLED])], indirect=["model"])
+    ("dream", "acache", dict(anchor_ratio=0.3, selector="hkvd"), [SHUFFLED]),
+    ("llada", "acache", dict(anchor_ratio=0.5, anchor_mass=0.6, anchor_min_ratio=0.1), [SHUFFLED])],
+    indirect=["model"])
 def test_engine_equals_static_path_in_any_order(model, cache, extra, orders):
     """Same tokens, anchors and NFE as `generate`, with requests queued (batch 2) and finishing at
     different times, in any submission order."""

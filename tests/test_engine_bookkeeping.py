@@ -365,3 +365,34 @@ def test_a_step_runs_on_a_compiled_token_axis_within_the_padding_bound():
     assert all(n <= m <= max(token_bucket(int(n)), REUSE_PADDING * n) for n, m in zip(counts, axes))
     assert len(set(axes)) < 0.5 * len({token_bucket(int(n)) for n in counts})
     assert {axis(int(n)) for n in counts} <= set(axes)  # a second pass compiles nothing new
+
+
+def test_an_adaptive_budget_gives_back_the_anchor_slots_it_did_not_use():
+    """Admission reserves the most anchors; once the probe says how many the mass needs (clipped
+    to the bounds), the blocks beyond them are free again and the kept slots are the reserve's first."""
+    from acache_jax.acache import Ranking  # noqa: PLC0415 (the only test here that needs jax)
+    from acache_jax.engine.scheduler import StepOutput  # noqa: PLC0415
+
+    bm = BlockManager(num_blocks=40, block_size=4)
+    sched = Scheduler(bm, max_batch=4)
+    seqs = [_seq(i, left=3, gen=8, affix="c") for i in range(3)]  # 11 own columns + up to 15 anchors
+    for s in seqs:
+        sched.add(s, 15, 2)
+    plan = sched.schedule(MASK)
+    assert plan.probe == seqs and all(len(s.private_blocks) == bm.blocks_for(11 + 15) for s in seqs)
+    reserved = [s.read_slot_map[s.own_columns].copy() for s in seqs]
+    free = bm.num_free_blocks
+    order = np.tile(np.arange(30)[::-1], (3, 1))
+    covering = np.array([1, 6, 30])  # below the floor, within the bounds, above the cap
+    sched.postprocess(plan, StepOutput(np.zeros((0, BL), np.int32), np.zeros(0), np.zeros(0),
+                                       Ranking(order, covering)), MASK, None)
+    assert [s.num_anchors for s in seqs] == [2, 6, 15]
+    assert [s.anchors.tolist() for s in seqs] == [[28, 29], list(range(24, 30)), list(range(15, 30))]
+    assert [len(s.private_blocks) for s in seqs] == [bm.blocks_for(11 + k) for k in (2, 6, 15)]
+    assert bm.num_free_blocks == free + sum(bm.blocks_for(26) - bm.blocks_for(11 + k) for k in (2, 6, 15))
+    for s, own in zip(seqs, reserved):
+        np.testing.assert_array_equal(s.read_slot_map[s.own_columns], own)  # the fixed slots did not move
+        assert len(set(s.read_slot_map[s.private_columns].tolist())) == s.num_private(s.num_anchors)
+    for s in seqs:
+        sched.cancel(s)
+    assert bm.num_free_blocks == bm.num_blocks

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax import sampling
-from acache_jax.acache import affix_deviation, anchor_ranking
+from acache_jax.acache import Ranking, affix_deviation, anchor_ranking
 from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.engine.scheduler import Plan, StepOutput
 from acache_jax.engine.sequence import SequenceState
@@ -133,7 +133,7 @@ def unpack(packing: Packing, buffer: jax.Array) -> Any:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
 def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, params: list[jax.Array], pool: KVPool,
-                buffer: jax.Array) -> tuple[KVPool, Commits, jax.Array | None]:
+                buffer: jax.Array) -> tuple[KVPool, Commits, Ranking | None]:
     """(pool after the writes, the segments after their commit, the probed segments' rankings)."""
     step: PackedStep = unpack(packing, buffer)
     probing = step.probe_weight is not None
@@ -145,7 +145,8 @@ def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, param
     ranking = None
     if probing:
         score = out.probe if cfg.selector == "attention" else -out.probe  # "bottom": the least important
-        ranking = anchor_ranking(score, jnp.arange(score.shape[1])[None] < step.reads[-1].lens[:, None])
+        ranking = anchor_ranking(score, jnp.arange(score.shape[1])[None] < step.reads[-1].lens[:, None],
+                                 cfg.anchor_mass)
     return out.pool, step.commits.commit(out.logits, cfg, structure.config), ranking
 
 
@@ -189,15 +190,20 @@ DEVIATION_SELECTORS = ("hkvd", "hkvd_block")  # selectors ranked by `deviation_r
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def deviation_ranking(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool,
                       tokens: jax.Array, positions: jax.Array, valid: jax.Array, affix_index: jax.Array,
-                      shared_slots: jax.Array, affix_valid: jax.Array) -> jax.Array:
-    """[P, N] each probed request's affix indices best first, by `affix_deviation` of its dense
+                      shared_slots: jax.Array, affix_valid: jax.Array) -> Ranking:
+    """Each probed request's affix indices ([P, N]) best first, by `affix_deviation` of its dense
     forward (tokens [P, T] at `positions`, keys where `valid`; its affix at columns `affix_index`
     [P, N]) against the affix K/V its shared slots [P, N] hold."""
     out = structure.forward(params, tokens, ForwardInputs(positions, valid), with_logits=False,
                             attn_backend=cfg.attn_backend)
     score = affix_deviation(out.k, out.v, affix_index, tuple(k[shared_slots] for k in pool.k),
                             tuple(v[shared_slots] for v in pool.v), structure.config.rope_theta)
-    return anchor_ranking(score, affix_valid)
+    return anchor_ranking(score, affix_valid, cfg.anchor_mass)
+
+
+def _first(ranking: Ranking, n: int) -> Ranking:
+    """The rankings of the first n rows (the probed requests), on the host."""
+    return Ranking(*(np.asarray(a)[:n] for a in ranking))
 
 
 def _store_affix(pool: KVPool, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], slots: jax.Array,
@@ -428,7 +434,7 @@ class Runner:
             list(ex.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
         return len(programs)
 
-    def _deviation_ranking(self, probe: list[SequenceState]) -> jax.Array:
+    def _deviation_ranking(self, probe: list[SequenceState]) -> Ranking:
         """Dispatch the hkvd selectors' forward for the newly admitted (their text, hkvd_block: and
         first block, each column at its own position) and return their rankings (on the device)."""
         cfg, mcfg = self.config, self.model.config
@@ -453,7 +459,7 @@ class Runner:
         inputs = jax.device_put((tokens, positions, valid, affix_index, shared, affix_valid))
         return deviation_ranking(self.structure, self.program_config, self.params, self.pool, *inputs)
 
-    def _no_loop_output(self, ranking: np.ndarray | None) -> StepOutput:
+    def _no_loop_output(self, ranking: Ranking | None) -> StepOutput:
         """What an iteration without loop requests returns: only the probed requests' rankings."""
         return StepOutput(np.zeros((0, self.config.block_length), np.int32), np.zeros(0, np.int64),
                           np.zeros(0, np.int64), ranking)
@@ -471,7 +477,7 @@ class Runner:
             plan = dataclasses.replace(plan, probe=[])
             if plan.empty:
                 called = time.perf_counter()
-                ranking = np.asarray(jax.device_get(ranking))[:probed]
+                ranking = _first(jax.device_get(ranking), probed)
                 self.device_seconds += time.perf_counter() - called
                 return self._no_loop_output(ranking)
         # Rows for max_batch segments whatever the plan holds (the last row stays empty): the
@@ -501,7 +507,7 @@ class Runner:
         if self.profile and plan.loop:
             self.timings.loop.append((int(count), time.perf_counter() - start))
         loop = plan.loop
-        ranking = None if ranking is None else np.asarray(ranking)[:probed]
+        ranking = None if ranking is None else _first(ranking, probed)
         if not loop:
             return self._no_loop_output(ranking)
         first = len(plan.probe)

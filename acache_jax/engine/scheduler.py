@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.sequence import SequenceState, SequenceStatus
 from acache_jax.layout import RequestError
+
+if TYPE_CHECKING:
+    from acache_jax.acache import Ranking
 
 
 class RequestTooLargeError(RequestError):
@@ -51,12 +55,12 @@ class Plan:
 @dataclasses.dataclass
 class StepOutput:
     """What the device returns for a plan: per loop request, its block afterwards and counters;
-    per probed request, its affix indices ranked for selection."""
+    per probed request, its affix ranked for selection."""
 
     blocks: np.ndarray  # [len(plan.loop), block_length]
     nfe: np.ndarray  # [len(plan.loop)] forward calls with masks in the block, this iteration
     steps: np.ndarray  # [len(plan.loop)] in-block commits, this iteration
-    ranking: np.ndarray | None  # [len(plan.probe), N] best first
+    ranking: Ranking | None  # per plan.probe request: [N] best first, and the budget's covering count
 
 
 class Scheduler:
@@ -89,8 +93,10 @@ class Scheduler:
         affix = bm.blocks_for(seq.affix_len) if seq.shares_affix else 0
         return bm.blocks_for(seq.num_private(k)), affix
 
-    def add(self, seq: SequenceState, k: int) -> None:
-        """Queue a request with K anchors; reject one that could not run even in an empty pool.
+    def add(self, seq: SequenceState, k: int, k_min: int | None = None) -> None:
+        """Queue a request with K anchors (between k_min and K under an adaptive budget: K are
+        reserved, the rest freed once they are known); reject one that could not run even in an
+        empty pool.
 
         The affix counts even when it is resident: it stays resident while the request runs.
         """
@@ -104,7 +110,7 @@ class Scheduler:
                 f"request {seq.request_id!r} needs {private} private + {affix} affix blocks of {bs} slots "
                 f"({seq.num_private(k)} private + {seq.affix_len if affix else 0} affix slots), "
                 f"more than the pool's {total} blocks")
-        seq.num_anchors = k
+        seq.num_anchors, seq.min_anchors = k, min(k, k if k_min is None else k_min)
         self._waiting.append(seq)
 
     def admit(self) -> list[SequenceState]:
@@ -151,9 +157,9 @@ class Scheduler:
 
         eos: with early stop, the end-of-text id (a finished block all of it ends the request).
         """
-        for seq, ranking in zip(plan.probe, [] if out.ranking is None else out.ranking):
-            seq.set_anchors(ranking[:seq.num_anchors])
-            seq.probed = True
+        if out.ranking is not None:
+            for seq, order, covering in zip(plan.probe, *out.ranking):
+                self._set_anchors(seq, order[:int(np.clip(covering, seq.min_anchors, seq.num_anchors))])
         for seq in plan.recompute:
             seq.needs_recompute = False
         finished = []
@@ -169,6 +175,16 @@ class Scheduler:
                 self.finish(seq)
                 finished.append(seq)
         return finished
+
+    def _set_anchors(self, seq: SequenceState, anchors: np.ndarray) -> None:
+        """The probed request's anchors; blocks reserved for anchors it did not get go back."""
+        if len(anchors) < seq.num_anchors:
+            seq.fewer_anchors(len(anchors))
+            keep = self.block_manager.blocks_for(seq.num_private(seq.num_anchors))
+            self.block_manager.free(seq.private_blocks[keep:])
+            seq.private_blocks = seq.private_blocks[:keep]
+        seq.set_anchors(anchors)
+        seq.probed = True
 
     def finish(self, seq: SequenceState) -> None:
         """Free the request's private blocks at once; its affix is released at the next admission,

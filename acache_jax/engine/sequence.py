@@ -61,7 +61,8 @@ class SequenceState:
         self.probed = False  # an anchor probe ran for it (one more forward)
         self.needs_recompute = True  # set at admission and at each new block
         self.forward_tokens = 0  # tokens the forwards computed for it
-        self.num_anchors = 0  # K, fixed by Scheduler.add
+        self.num_anchors = 0  # K: reserved by Scheduler.add, final once the anchors are set
+        self.min_anchors = 0  # an adaptive budget's lower bound (= K under a fixed one)
         self.private_blocks: list[int] = []
         self.affix_is_new = False  # this admission allocated the affix blocks: the runner must fill them
         self._private_slots: np.ndarray | None = None  # [T - L + K] (baseline: [T])
@@ -164,6 +165,13 @@ class SequenceState:
             assert shared_slots.shape == (self.affix_len,), shared_slots.shape
         self._private_slots, self._shared_slots = private_slots, shared_slots
         self._columns.clear()
+
+    def fewer_anchors(self, k: int) -> None:
+        """An adaptive budget kept K < the reserved anchors: only the first slots of the reserve
+        stay (the anchors' slots follow the fixed ones)."""
+        assert self._anchors is None and self.min_anchors <= k <= self.num_anchors, (k, self.num_anchors)
+        self.num_anchors = k
+        self.set_slots(self._private_slots[:self.num_private(k)], self._shared_slots)
 
     def set_anchors(self, anchors: np.ndarray) -> None:
         """The probe's K affix-relative anchor indices (any order; stored sorted)."""
