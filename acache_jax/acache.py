@@ -129,11 +129,16 @@ class Ranking(NamedTuple):
     order: jax.Array  # [B, N]; ties: the lower index first; a row's invalid entries last
     covering: jax.Array  # [B] int32: the fewest best entries holding the mass (N without a mass)
 
+    def kept(self, k_min, k_max):
+        """[B] anchors each request keeps: its covering count within the budget's bounds (numpy or
+        jax values alike)."""
+        return self.covering.clip(k_min, k_max)
+
 
 def anchor_ranking(score: jax.Array, valid: jax.Array | None = None, mass: float | None = None) -> Ranking:
     """A request's anchors are the first K of its order, the one ranking rule of every path; under
-    an adaptive budget K is its `covering` count clipped to the budget's bounds (on the host in the
-    engine, in `select_anchors` on the static path). Negative scores hold no mass."""
+    an adaptive budget K is `Ranking.kept` (on the host in the engine, in `select_anchors` on the
+    static path). Negative scores hold no mass."""
     if valid is not None:
         score = jnp.where(valid, score, -jnp.inf)
     order = jnp.argsort(-score, axis=1, stable=True).astype(jnp.int32)
@@ -169,11 +174,8 @@ def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State,
     else:
         raise RequestError(f"unknown anchor selector {selector!r}; choose one of {SELECTORS}")
     ranking = anchor_ranking(score, mass=mass)
-    top = ranking.order[:, :k]
-    if mass is not None:
-        kept = jnp.clip(ranking.covering, k_min, k)
-        top = jnp.where(jnp.arange(k)[None] < kept[:, None], top, affix.length)
-    return jnp.sort(top, axis=1)
+    kept = ranking.kept(k_min, k)  # k without a mass
+    return jnp.sort(jnp.where(jnp.arange(k)[None] < kept[:, None], ranking.order[:, :k], affix.length), axis=1)
 
 
 select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 1, 5, 6, 7, 8, 9, 10))

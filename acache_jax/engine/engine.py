@@ -142,8 +142,7 @@ class Engine:
         check_requests([request], gen_length, mcfg, affix_ids)
         seq = SequenceState.from_request(self._next_id, request, affix_ids,
                                          gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)
-        budget = (cfg.anchors(seq.affix_len), cfg.min_anchors(seq.affix_len)) if seq.shares_affix else (0, 0)
-        self.scheduler.add(seq, *budget)
+        self.scheduler.add(seq, cfg.anchors(seq.affix_len), cfg.min_anchors(seq.affix_len))
         self.runner.reserve(seq)
         if seq.shares_affix:
             if not isinstance(self._affixes.get(seq.affix_key), AffixCache):

@@ -110,7 +110,7 @@ class Scheduler:
                 f"request {seq.request_id!r} needs {private} private + {affix} affix blocks of {bs} slots "
                 f"({seq.num_private(k)} private + {seq.affix_len if affix else 0} affix slots), "
                 f"more than the pool's {total} blocks")
-        seq.num_anchors, seq.min_anchors = k, min(k, k if k_min is None else k_min)
+        seq.num_anchors, seq.min_anchors = k, k if k_min is None else min(k_min, k)
         self._waiting.append(seq)
 
     def admit(self) -> list[SequenceState]:
@@ -159,7 +159,7 @@ class Scheduler:
         """
         if out.ranking is not None:
             for seq, order, covering in zip(plan.probe, *out.ranking):
-                self._set_anchors(seq, order[:int(np.clip(covering, seq.min_anchors, seq.num_anchors))])
+                self._set_anchors(seq, order[:int(covering.clip(seq.min_anchors, seq.num_anchors))])
         for seq in plan.recompute:
             seq.needs_recompute = False
         finished = []
