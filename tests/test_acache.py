@@ -168,7 +168,7 @@ def test_attention_selector_matches_a_plain_oracle(model, cache):
 def test_an_adaptive_budget_keeps_the_anchors_covering_the_mass(model, cache):
     """Under an anchor mass each row keeps the fewest of its best-probed affix tokens that hold that
     share of its importance (the plain oracle's), clipped to the ratio bounds, and decodes in the
-    batch exactly as alone with a fixed budget of that many anchors (same tokens, NFE, forward tokens)."""
+    batch exactly as under a fixed budget of that many anchors (same tokens, NFE, forward tokens)."""
     ratio, mass, floor, L = 0.5, 0.4, 0.1, len(AFFIX)
     config = DecodeConfig(cache="acache", anchor_ratio=ratio, anchor_mass=mass, anchor_min_ratio=floor, **BASE)
     batched = generate(model, REQUESTS, config, affix=cache)
@@ -177,14 +177,17 @@ def test_an_adaptive_budget_keeps_the_anchors_covering_the_mass(model, cache):
         score = _oracle_importance(model, r)
         order = np.argsort(-score, kind="stable")
         held = np.cumsum(score[order])
-        k = int(np.clip(np.searchsorted(held, mass * held[-1]) + 1, math.ceil(floor * L), math.ceil(ratio * L)))
-        assert batched.anchors[i].tolist() == sorted(order[:k].tolist())
-        fixed = generate(model, [r], config.replace(anchor_mass=None, anchor_ratio=(k - 0.5) / L), affix=cache)
-        assert batched.anchors[i].tolist() == fixed.anchors[0].tolist()
-        assert batched.tokens[i].tolist() == fixed.tokens[0].tolist()
-        assert batched.nfe[i] == fixed.nfe[0] and batched.forward_tokens[i] == fixed.forward_tokens[0]
-        kept.append(k)
+        kept.append(int(np.clip(np.searchsorted(held, mass * held[-1]) + 1, math.ceil(floor * L), math.ceil(ratio * L))))
+        assert batched.anchors[i].tolist() == sorted(order[:kept[-1]].tolist())
     assert len(set(kept)) > 1, kept  # the rows' budgets differ
+    for k in set(kept):  # the rows of each budget together, under that fixed budget
+        rows = [i for i, ki in enumerate(kept) if ki == k]
+        fixed = generate(model, [REQUESTS[i] for i in rows], config.replace(anchor_mass=None, anchor_ratio=(k - 0.5) / L),
+                         affix=cache)
+        for j, i in enumerate(rows):
+            assert batched.anchors[i].tolist() == fixed.anchors[j].tolist()
+            assert batched.tokens[i].tolist() == fixed.tokens[j].tolist()
+            assert batched.nfe[i] == fixed.nfe[j] and batched.forward_tokens[i] == fixed.forward_tokens[j]
 
 
 @pytest.mark.parametrize("selector", ["hkvd", "hkvd_block"])
@@ -209,6 +212,7 @@ def test_hkvd_selectors_match_a_per_request_oracle(model, cache, selector):
         assert result.anchors[i].tolist() == sorted(np.argsort(-deviation, kind="stable")[:k].tolist())
 
 
+@pytest.mark.parametrize("model", ["llada"], indirect=True)  # counts of columns: the family does not matter
 def test_recompute_forward_width_is_anchors_plus_private(model, cache):
     """The block-start recompute computes K + non-affix tokens, not L + non-affix (fixed schedule:
     one token per step, 2 blocks of 8, so 2 recomputes, 14 block steps, 1 probe)."""
