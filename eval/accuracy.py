@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,14 +33,21 @@ def full_recompute(model: Model) -> DecodeConfig:
     return model.decode_config(cache="dual")
 
 
+class Score(NamedTuple):
+    accuracy: float
+    anchor_fraction: float | None  # selective policies: the mean share of the affix recomputed as anchors
+
+
 def _score(model: Model, questions: Sequence[Example], placement: Placement, affix_tokens: list[int] | None,
-           config: DecodeConfig, max_batch: int) -> float:
+           config: DecodeConfig, max_batch: int) -> Score:
     encode = encoder(model.tokenizer)
     selective = config.selective and affix_tokens is not None
     affix = build_affix_cache(model, affix_tokens) if selective else affix_tokens
     requests = [request(encode, q, placement, seed=i) for i, q in enumerate(questions)]
     out = generate(model, requests, config, affix=affix, max_batch=max_batch)
-    return sum(q.score(model.answer_text(t)) for q, t in zip(questions, out.tokens)) / len(questions)
+    correct = sum(q.score(model.answer_text(t)) for q, t in zip(questions, out.tokens)) / len(questions)
+    fraction = float(np.mean([len(a) for a in out.anchors])) / len(affix_tokens) if selective else None
+    return Score(correct, fraction)
 
 
 def _needs_tokenizer(model: Model) -> None:
@@ -48,15 +55,21 @@ def _needs_tokenizer(model: Model) -> None:
         raise ValueError("the model ships no tokenizer; accuracy needs one to lay out and score text")
 
 
-def accuracy(model: Model, task: str, placement: Placement, shots: int, n: int, seed: int = 0,
-             config: DecodeConfig | None = None, max_batch: int = 256) -> float:
-    """Fraction of n held-out questions answered correctly with the first `shots` examples as affix
-    (config: default `full_recompute(model)`)."""
+def score(model: Model, task: str, placement: Placement, shots: int, n: int, seed: int = 0,
+          config: DecodeConfig | None = None, max_batch: int = 256) -> Score:
+    """Accuracy on n held-out questions with the first `shots` examples as affix (config: default
+    `full_recompute(model)`), and how much of the affix a selective policy recomputed."""
     _needs_tokenizer(model)
     config = config or full_recompute(model)
     examples, questions = eval_split(get_task(task), seed, n)
     return _score(model, questions, placement, affix_ids(encoder(model.tokenizer), examples[:shots], placement),
                   config, max_batch)
+
+
+def accuracy(model: Model, task: str, placement: Placement, shots: int, n: int, seed: int = 0,
+             config: DecodeConfig | None = None, max_batch: int = 256) -> float:
+    """Fraction of n held-out questions answered correctly (`score`'s accuracy)."""
+    return score(model, task, placement, shots, n, seed, config, max_batch).accuracy
 
 
 def binding(model: Model, facts: Sequence[int] = (2, 3, 5), n: int = 128, seed: int = 0) -> list[dict[str, Any]]:
@@ -65,7 +78,7 @@ def binding(model: Model, facts: Sequence[int] = (2, 3, 5), n: int = 128, seed: 
     _needs_tokenizer(model)
     rng = np.random.default_rng([seed, 2])
     return [{"facts": k, "ask": "first" if first else "last", "n": n,
-             "accuracy": _score(model, binding_stories(rng, n, k, first), "none", None, full_recompute(model), n)}
+             "accuracy": _score(model, binding_stories(rng, n, k, first), "none", None, full_recompute(model), n).accuracy}
             for k in facts for first in (True, False)]
 
 

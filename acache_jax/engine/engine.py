@@ -168,6 +168,12 @@ class Engine:
         seq = self._live.get(request_id)
         return None if seq is None else seq.committed
 
+    def num_anchors(self, request_id: int) -> int | None:
+        """A live request's anchor count: its reserve until its probe has run, then what it kept
+        (an adaptive budget keeps fewer); None if it is not live."""
+        seq = self._live.get(request_id)
+        return None if seq is None else seq.num_anchors
+
     def _forget(self, seq: SequenceState) -> None:
         """Drop a request that left the engine, and its affix's source once no queued or running request
         needs it (else the engine would keep every affix it ever served)."""

@@ -60,8 +60,7 @@ class _Live:
     affix: tuple[int, ...] | None  # the affix it runs with (declared, a suffix or discovered)
     source: str | None  # "declared" | "discovered"
     held: bool  # holds its affix in the store
-    cached_tokens: int
-    anchors: int
+    hit: bool  # its affix's K/V came from the store: all but the anchors were not computed
     sent: str = ""  # text already streamed: never changes
 
 
@@ -236,11 +235,8 @@ class Worker:
             if held:
                 self.store.release(affix)
             raise
-        anchors = job.config.anchors(len(affix)) if cache is not None else 0
-        cached = len(affix) - anchors if hit else 0
-        self._live[job.id] = _Live(job, emit, job.config, rid, affix, source, held, cached, anchors)
+        self._live[job.id] = _Live(job, emit, job.config, rid, affix, source, held, hit)
         self.counters["prompt_tokens"] += job.prompt_tokens
-        self.counters["cached_tokens"] += cached
 
     def _step(self, key: DecodeConfig) -> None:
         engine = self.engines[key]
@@ -258,13 +254,13 @@ class Worker:
         by_rid = {l.rid: l for l in self._live.values() if l.engine == key}
         for res in results:
             live = by_rid.pop(res.request_id)
-            self._progress(live, res.tokens, final=True, nfe=res.nfe)
+            self._progress(live, res.tokens, final=True, nfe=res.nfe, anchors=len(res.anchors))
         for live in by_rid.values():
             self._progress(live, engine.partial(live.rid), final=False)
         if engine.scheduler.idle:
             engine.scheduler.drain()  # the last finished requests' affixes leave the pool now
 
-    def _progress(self, live: _Live, tokens: Any, final: bool, nfe: int | None = None) -> None:
+    def _progress(self, live: _Live, tokens: Any, final: bool, nfe: int | None = None, anchors: int = 0) -> None:
         """Stream a request's new final text; finish it when its answer is complete."""
         model, ids = self.model, [int(t) for t in tokens]
         stops = model.stop_token_ids
@@ -285,7 +281,9 @@ class Worker:
                 live.sent = safe
             return
         if not final:
-            self.engines[live.engine].cancel(live.rid)
+            engine = self.engines[live.engine]
+            anchors = engine.num_anchors(live.rid)
+            engine.cancel(live.rid)
             self.counters["answered_early"] += 1
         if not text.startswith(live.sent):  # cannot happen with a prefix-stable detokenizer; never unsend
             print(f"acache_jax.serve: request {live.job.id}: final text does not extend the streamed text",
@@ -296,11 +294,13 @@ class Worker:
         self._end(live)
         completion = len(answer_ids) if cut is None else len(model.encode(text, chat=False, special_tokens=False))
         reason = "stop" if end is not None or cut is not None else "length"
+        cached = len(live.affix) - anchors if live.hit else 0  # the anchors that request kept, not the reserve
         self.counters["finished"] += 1
         self.counters["completion_tokens"] += completion
-        extra = {"affix_tokens": len(live.affix or ()), "affix_source": live.source, "anchors": live.anchors,
+        self.counters["cached_tokens"] += cached
+        extra = {"affix_tokens": len(live.affix or ()), "affix_source": live.source, "anchors": anchors,
                  "token_ids": answer_ids if cut is None else None, "nfe": nfe}
-        live.emit(("done", Answer(text, reason, live.job.prompt_tokens, completion, live.cached_tokens, extra)))
+        live.emit(("done", Answer(text, reason, live.job.prompt_tokens, completion, cached, extra)))
 
     def _end(self, live: _Live) -> None:
         del self._live[live.job.id]
