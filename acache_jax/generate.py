@@ -43,7 +43,7 @@ from acache_jax.sharding import initialize_distributed, make_mesh
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "llada-small"
 # Per-request keys of --input lines that map onto DecodeConfig fields.
 DECODE_KEYS = ("gen_length", "block_length", "steps", "threshold", "factor", "temperature", "cache",
-               "anchor_ratio", "selector", "drop_non_anchor", "early_stop")
+               "anchor_ratio", "anchor_mass", "anchor_min_ratio", "selector", "drop_non_anchor", "early_stop")
 # The other keys of an --input line, with the type each must have.
 REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "affix": str, "affix_ids": list, "prompt_tail": str,
                 "prompt_tail_ids": list, "seed": int, "no_chat": bool, "affix_position": str}
@@ -108,7 +108,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=unset)
     p.add_argument("--cache", choices=CACHE_POLICIES, default=unset,
                    help="none | prefix | dual (Fast-dLLM) | acache (anchors recomputed) | direct (affix cache as is)")
-    p.add_argument("--anchor-ratio", type=float, default=unset, help="acache: anchors per affix token")
+    p.add_argument("--anchor-ratio", type=float, default=unset,
+                   help="acache: anchors per affix token (with --anchor-mass: at most)")
+    p.add_argument("--anchor-mass", type=float, default=unset,
+                   help="acache, adaptive budget: per request the fewest best-ranked affix tokens that hold this "
+                        "share of the selector's scores")
+    p.add_argument("--anchor-min-ratio", type=float, default=unset,
+                   help="acache, adaptive budget: at least this many anchors per affix token")
     p.add_argument("--selector", choices=SELECTORS, default=unset, help="acache: how anchors are chosen")
     p.add_argument("--drop-non-anchor", action="store_true", default=unset, help="acache DropNA ablation")
     p.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=unset,

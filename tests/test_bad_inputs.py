@@ -88,6 +88,7 @@ def test_bad_flags(capsys, model_dir, argv, message):
     ('{"prompt": 123}', ":2: prompt must be str, got 123"),
     ('{"prompt_ids": [1], "no_chat": "false"}', ":2: no_chat must be bool, got \"false\""),
     ('{"prompt_ids": [1], "drop_non_anchor": "yes"}', ":2: drop_non_anchor must be true or false, got 'yes'"),
+    ('{"prompt_ids": [1], "anchor_mass": "half"}', ":2: anchor_mass must be a finite number or null, got 'half'"),
     ('{"prompt_ids": [1], "colour": "red"}', ":2: unknown keys ['colour']"),
     ('{"prompt_ids": [1], ', ":2: not valid JSON"),
 ])
