@@ -29,7 +29,7 @@ from acache_jax.decode import generate  # noqa: E402
 from acache_jax.lm_eval import ACacheLM  # noqa: E402
 from eval import lm_eval_data  # noqa: E402
 from eval.accuracy import accuracy, full_recompute  # noqa: E402
-from eval.affix_sweep import settings  # noqa: E402
+from eval.affix_sweep import Grid  # noqa: E402
 from eval.tasks import eval_split, get_task  # noqa: E402
 from eval.tasks.layouts import affix_ids, encoder, request  # noqa: E402
 
@@ -119,7 +119,7 @@ def test_lm_eval_indexes_its_own_tasks_only_when_one_is_asked_for(manager):
 def test_affix_mode_scores_what_the_affix_sweep_does(manager, model, ratio):
     """The codebook task (answers only in the few-shot examples), 1-shot prefix affix, anchor ratio r:
     lm-eval's accuracy and answers are eval.affix_sweep's on the same questions."""
-    overrides = settings([ratio], 0.2)[f"acache@{ratio:g}"]
+    overrides = Grid((ratio,)).settings()[f"acache@{ratio:g}"]
     acc, answers = evaluate(manager, "acache_codebook", affix_mode="prefix", num_fewshot_affix=1, **overrides)
     config = dataclasses.replace(full_recompute(model), **overrides)
     assert answers == eval_answers(model, "codebook", "prefix", 1, N, config)
