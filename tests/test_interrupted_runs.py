@@ -90,6 +90,12 @@ def test_a_partial_of_a_running_writer_is_left_alone(tmp_path):
     assert mine.is_dir() and not dead.exists()
 
 
+def _sigint_default() -> None:
+    """A shell starts background jobs with SIGINT ignored, and Python keeps that: give the child
+    the terminal's Ctrl-C, whatever started this test run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_interrupted_generate_keeps_what_it_finished(tmp_path, fixtures_dir):
     """Ctrl-C on a long --input run: every finished answer is already on stdout, in input order, and
     one line says how many."""
@@ -100,7 +106,7 @@ def test_interrupted_generate_keeps_what_it_finished(tmp_path, fixtures_dir):
     proc = subprocess.Popen([sys.executable, "-m", "acache_jax.generate", "--model", str(fixtures_dir / "decode" / "llada"),
                              "--input", str(path), "--json", "--batch-size", "2", "--gen-length", "16",
                              "--block-length", "8"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=_sigint_default)
     first = proc.stdout.readline()  # results stream: the first window's arrive long before the last
     assert first, proc.stderr.read()
     proc.send_signal(signal.SIGINT)
