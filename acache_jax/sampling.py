@@ -59,7 +59,7 @@ def propose(logits: jax.Array, keys: jax.Array, cfg: SamplerConfig) -> tuple[jax
         noisy = logits + never_mask
         if cfg.temperature > 0:  # upstream: exp(l) / (-log u)^T, i.e. argmax of l + T * gumbel
             g = jax.vmap(lambda k: _gumbel(k, (n, v)))(_row_keys(keys, 1))
-            noisy = logits + cfg.temperature * g
+            noisy = noisy + cfg.temperature * g
         x0 = jnp.argmax(noisy, axis=-1).astype(jnp.int32)
         if cfg.remasking == "low_confidence":
             picked = jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import acache_jax
-from acache_jax import decode
+from acache_jax import decode, sampling
 from acache_jax.config import DecodeConfig, DecodeError
 from acache_jax.decode import generate
 from acache_jax.layout import Request, RequestError
@@ -93,3 +93,19 @@ def test_bad_requests(llada):
         generate(llada, [[1, 500]], DecodeConfig(gen_length=16, block_length=8))
     with pytest.raises(RequestError, match="no prompts"):
         generate(llada, [], DecodeConfig())
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_mask_is_never_proposed(family, temperature):
+    """Logits that favour [MASK] by far still propose another token, with and without sampling: a
+    committed mask would stay masked and its block never finish."""
+    import jax
+    import jax.numpy as jnp
+
+    vocab, mask = 16, 15
+    logits = jnp.zeros((2, 8, vocab)).at[..., mask].set(30.0).at[..., 3].set(1.0)
+    keys = jax.random.split(jax.random.key(0), 2)
+    cfg = sampling.SamplerConfig(family=family, mask_token_id=mask, temperature=temperature)
+    x0, conf = sampling.propose(logits, keys, cfg)
+    assert (np.asarray(x0) != mask).all() and np.isfinite(np.asarray(conf)).all()
