@@ -1,5 +1,7 @@
 """Decode loop behaviour: batch invariance, compilation per bucket, NFE accounting, bad input."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -100,9 +102,6 @@ def test_bad_requests(llada):
 def test_mask_is_never_proposed(family, temperature):
     """Logits that favour [MASK] by far still propose another token, with and without sampling: a
     committed mask would stay masked and its block never finish."""
-    import jax
-    import jax.numpy as jnp
-
     vocab, mask = 16, 15
     logits = jnp.zeros((2, 8, vocab)).at[..., mask].set(30.0).at[..., 3].set(1.0)
     keys = jax.random.split(jax.random.key(0), 2)
