@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
 from acache_jax.files import partial_name, remove_stale_partials
-from acache_jax.hf_checkpoint import NUMPY_DTYPES, CheckpointError, iter_params
+from acache_jax.hf_checkpoint import CheckpointError, iter_tensors
 from acache_jax.model import Model, abstract_transformer
 from acache_jax.sharding import is_kv_projection, kv_copies, param_sharding, place_param, sharded_config
 from acache_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -67,10 +67,13 @@ def check_destination(dst: Path) -> None:
         raise FileExistsError(f"destination {dst} exists and is not an empty directory; refusing to overwrite")
 
 
+SAVE_IN_FLIGHT_BYTES = 1 << 30  # what the parameter write may hold in flight (raised to the largest tensor)
+
+
 def save(
     dst: str | Path,
     hf_config: dict,
-    params: Iterable[tuple[tuple, np.ndarray]],
+    params: Iterable[tuple[tuple, np.ndarray | jax.Array]],
     dtype: Any,
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
@@ -85,10 +88,14 @@ def save(
     tmp = partial_name(dst)
     try:  # the mkdir inside: a signal just after it would otherwise skip the cleanup
         tmp.mkdir()
-        # Leaves as jax arrays (orbax stages a copy of numpy leaves), written uncompressed and at
-        # most 1 GB at a time (compression buffers every array): peak memory stays near the output.
+        # Leaves as jax arrays (orbax stages a copy of numpy leaves), written uncompressed
+        # (compression buffers every array) and SAVE_IN_FLIGHT_BYTES at a time: peak memory stays
+        # near the output. Orbax refuses a tensor larger than its in-flight limit (an 8B model's
+        # 1 GB embedding), so the limit is at least the largest tensor.
         tree = _nest((path, jnp.asarray(array)) for path, array in params)
-        handler = ocp.PyTreeCheckpointHandler(save_concurrent_gb=1, use_compression=False)
+        largest = max(leaf.nbytes for leaf in jax.tree.leaves(tree))
+        handler = ocp.PyTreeCheckpointHandler(handler_impl=ocp.BasePyTreeCheckpointHandler(
+            save_concurrent_bytes=max(SAVE_IN_FLIGHT_BYTES, largest + 1), use_compression=False))
         ocp.Checkpointer(handler).save(tmp / "params", args=ocp.args.PyTreeSave(tree))
         del tree
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -146,8 +153,7 @@ def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Me
     except Exception as e:  # orbax raises many kinds (NOT_FOUND, ValueError, KeyError, ...) with long texts
         raise CheckpointError(f"cannot restore the parameters in {path / 'params'}: files missing or damaged "
                               f"({type(e).__name__}); convert the model again") from None
-    place = _placer(cfg, mesh)
-    return _unstring_layers(_nest((p, place(p, a.astype(dtype))) for p, a in _flatten(tree)))
+    return _unstring_layers(_nest((p, place_param(p, a, cfg, mesh, dtype)) for p, a in _flatten(tree)))
 
 
 def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
@@ -160,20 +166,19 @@ def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
     return out
 
 
-def _placer(cfg: ModelConfig, mesh: Mesh | None) -> Callable[[tuple, Any], jax.Array]:
-    """Where a loaded leaf goes: the default device, or (on a mesh) its shards, straight from the host."""
-    if mesh is None:
-        return lambda path, a: jnp.asarray(a)
-    return lambda path, a: a if isinstance(a, jax.Array) else place_param(path, a, cfg, mesh)
+def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
+            desc: str = "loading") -> Iterator[tuple[tuple, jax.Array]]:
+    """(our param path, device array in our layout) for every tensor of an HF snapshot: the host
+    reads bytes, the device transposes and casts them (acache_jax.sharding.place_param)."""
+    for entry, tensor in iter_tensors(path, cfg, progress(f"{desc} {path.name}")):
+        yield entry.path, place_param(entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose)
 
 
 def _read_hf(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:
     if dtype is None:
         torch_dtype = read_json(path / "config.json").get("torch_dtype")
         dtype = "bfloat16" if torch_dtype == "bfloat16" else "float32"
-    params = iter_params(path, cfg, NUMPY_DTYPES[_dtype_name(dtype)], progress(f"loading {path.name}"))
-    place = _placer(cfg, mesh)
-    return _unstring_layers(_nest((p, place(p, a)) for p, a in params))
+    return _unstring_layers(_nest(read_hf(path, cfg, DTYPES[_dtype_name(dtype)], mesh)))
 
 
 def progress(desc: str):

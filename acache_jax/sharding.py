@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -143,21 +145,48 @@ def is_kv_projection(path: Sequence[Any]) -> bool:
     return len(names) >= 3 and names[-3] == "attn" and names[-2] in ("k", "v")
 
 
-def expand_kv(path: Sequence[Any], array: np.ndarray, cfg: ModelConfig, copies: int) -> np.ndarray:
-    """A K/V projection leaf of the checkpoint with each KV head repeated `copies` times in place
-    (head j of the result is head j // copies of the checkpoint); other leaves unchanged."""
-    if copies == 1 or not is_kv_projection(path):
+def repeat_kv_heads(array: Any, kv_heads: int, head_dim: int, copies: int) -> Any:
+    """A K/V projection leaf ([..., kv_heads * head_dim]) with each KV head repeated `copies` times
+    in place: head j of the result is head j // copies of the checkpoint. Traceable: loading runs
+    it on the device."""
+    if copies == 1:
         return array
-    heads = array.reshape(*array.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
-    return np.repeat(heads, copies, axis=-2).reshape(*array.shape[:-1], -1)
+    heads = array.reshape(*array.shape[:-1], kv_heads, head_dim)
+    return jnp.repeat(heads, copies, axis=-2).reshape(*array.shape[:-1], -1)
 
 
-def place_param(path: Sequence[Any], array: np.ndarray, cfg: ModelConfig, mesh: Mesh) -> jax.Array:
-    """One parameter from host memory onto the mesh: each device receives only its own slice
-    (built shard by shard from the host array, so no device ever holds the whole leaf, and each
-    host fills only its own devices)."""
-    array = expand_kv(path, np.asarray(array), cfg, kv_copies(cfg, tensor_parallel_size(mesh)))
-    return jax.make_array_from_callback(array.shape, param_sharding(mesh, path), lambda index: array[index])
+def place_param(path: Sequence[Any], array: np.ndarray | jax.Array, cfg: ModelConfig, mesh: Mesh | None,
+                dtype: Any, transposed: bool = False) -> jax.Array:
+    """One parameter onto the device (or its shards on `mesh`), in our layout and `dtype`.
+
+    `array` holds a checkpoint's bytes as read (host memory; `transposed`: PyTorch's [out, in]
+    layout of an [in, out] kernel) or an array already placed. The host only copies bytes: the
+    transpose, the cast and the KV-head copies run on the device, where they take microseconds
+    (on the host they cost most of an 8B model's load). On a mesh each device receives only its
+    own slice of the stored tensor (no device ever holds a whole split tensor), except K/V
+    projections that are copied, which are small.
+    """
+    copies = kv_copies(cfg, tensor_parallel_size(mesh)) if is_kv_projection(path) else 1
+    target = None if mesh is None else param_sharding(mesh, path)
+    if not isinstance(array, jax.Array):
+        if mesh is None:
+            array = jax.device_put(array)
+        else:
+            spec = P() if copies > 1 else P(*reversed(target.spec)) if transposed else target.spec
+            host = array
+            array = jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
+    if not transposed and copies == 1 and array.dtype == jnp.dtype(dtype):
+        return array
+    return _relayout(jnp.dtype(dtype), transposed, copies, cfg.num_kv_heads, cfg.head_dim, target)(array)
+
+
+@functools.cache
+def _relayout(dtype: Any, transposed: bool, copies: int, kv_heads: int, head_dim: int,
+              sharding: NamedSharding | None) -> Any:
+    """The device's part of loading one kind of tensor, compiled once per kind (not per layer)."""
+    def run(x):
+        return repeat_kv_heads((x.T if transposed else x).astype(dtype), kv_heads, head_dim, copies)
+    return jax.jit(run, out_shardings=sharding)
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:

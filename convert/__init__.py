@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from acache_jax.checkpoint import check_destination, progress, save
+from acache_jax.checkpoint import DTYPES, check_destination, read_hf, save
 from acache_jax.config import ModelConfig, read_json
-from acache_jax.hf_checkpoint import NUMPY_DTYPES, CheckpointError, iter_params
+from acache_jax.hf_checkpoint import CheckpointError
 
 __all__ = ["CheckpointError", "convert"]
 
@@ -18,11 +18,11 @@ __all__ = ["CheckpointError", "convert"]
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16") -> Path:
     """Convert the HF snapshot directory `src` into our checkpoint at `dst` (atomically)."""
     src, dst = Path(src), Path(dst)
-    if dtype not in NUMPY_DTYPES:
-        raise CheckpointError(f"--dtype must be one of {sorted(NUMPY_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise CheckpointError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory (an HF snapshot: config.json + safetensors + tokenizer)")
     check_destination(dst.absolute())
     cfg = ModelConfig.from_file(src)
-    params = iter_params(src, cfg, NUMPY_DTYPES[dtype], progress(f"converting {src.name}"))
+    params = read_hf(src, cfg, DTYPES[dtype], desc="converting")
     return save(dst, read_json(src / "config.json"), params, dtype, tokenizer_dir=src)

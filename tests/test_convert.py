@@ -1,6 +1,7 @@
 """HF checkpoint -> our checkpoint: round trips through both load paths, and bad inputs."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,76 @@ def test_load_rejects_non_model_directory(tmp_path):
         acache_jax.load(tmp_path / "nope")
     with pytest.raises(ConfigError, match="no config.json"):
         acache_jax.load(tmp_path)
+
+
+def test_tensor_larger_than_the_write_limit_converts(tmp_path, monkeypatch):
+    """Orbax refuses to write a tensor larger than its in-flight byte limit (a real 8B model's 1 GB
+    embedding against the 1 GB default): the converter raises the limit to the largest tensor."""
+    import acache_jax.checkpoint
+
+    cfg = llada_config()
+    src = _hf(tmp_path, cfg, shards=2)
+    embed = random_weights(cfg, seed=1)["model.transformer.wte.weight"]
+    limit = embed.nbytes // 4
+    monkeypatch.setattr(acache_jax.checkpoint, "SAVE_IN_FLIGHT_BYTES", limit)
+    dst = convert(src, tmp_path / "out", dtype="float32")
+    converted, snapshot = acache_jax.load(dst), acache_jax.load(src, dtype="float32")
+    for (path, a), (_, b) in zip(jax_leaves(converted), jax_leaves(snapshot), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=str(path))
+    assert embed.nbytes > limit
+
+
+def jax_leaves(model):
+    import jax
+    from flax import nnx
+
+    return jax.tree_util.tree_flatten_with_path(jax.device_get(nnx.to_pure_dict(model.params)))[0]
+
+
+@pytest.mark.parametrize("cfg", [llada_config(), dream_config()], ids=["llada", "dream"])
+def test_the_host_only_reads_bytes_the_device_transposes_and_casts(tmp_path, monkeypatch, cfg):
+    """Loading hands the device each tensor exactly as the file stores it (PyTorch [out, in]
+    layout, float32 here), and the device makes our [in, out] bfloat16 kernels of it."""
+    import jax
+
+    from acache_jax.hf_checkpoint import key_map
+
+    weights = random_weights(cfg, seed=3)
+    src = _hf(tmp_path, cfg, shards=2, weights=weights)
+    handed: list[np.ndarray] = []
+    device_put = jax.device_put
+
+    def spy(x, *args, **kwargs):
+        if isinstance(x, np.ndarray):
+            handed.append(x)
+        return device_put(x, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", spy)
+    model = acache_jax.load(src, dtype="bfloat16")
+    monkeypatch.undo()
+    # Every tensor went to the device once, as stored: same bytes, dtype and layout.
+    by_bytes = {w.tobytes(): name for name, w in weights.items()}
+    assert sorted(by_bytes[h.tobytes()] for h in handed) == sorted(weights)
+    assert all(h.dtype == np.float32 and h.flags.c_contiguous for h in handed)
+    leaves = dict((tuple(k.key for k in path), leaf) for path, leaf in jax_leaves(model))
+    for name, entry in key_map(model.config).items():
+        want = weights[name].T if entry.transpose else weights[name]
+        got = leaves[entry.path]
+        assert got.dtype == np.dtype("bfloat16"), name
+        np.testing.assert_array_equal(got, want.astype(np.dtype("bfloat16")), err_msg=name)
+
+
+@pytest.mark.parametrize("stored", [np.int32, np.bool_, np.int8])
+def test_a_weight_of_an_unsupported_dtype_is_named(tmp_path, stored):
+    cfg = dream_config()
+    weights = random_weights(cfg)
+    name = "model.layers.1.mlp.up_proj.weight"
+    weights[name] = (weights[name] * 10).astype(stored)
+    src = _hf(tmp_path, cfg, shards=2, weights=weights)
+    dtype = {np.int32: "I32", np.bool_: "BOOL", np.int8: "I8"}[stored]
+    message = rf"unsupported dtype, not one of BF16, F16, F32, F64 \(1\): {re.escape(name)}: {dtype}"
+    with pytest.raises(CheckpointError, match=message):
+        convert(src, tmp_path / "out")
+    assert _leftovers(tmp_path, "out") == []
+    with pytest.raises(CheckpointError, match=message):
+        acache_jax.load(src)

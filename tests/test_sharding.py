@@ -18,7 +18,7 @@ from flax import nnx
 
 from acache_jax.config import ModelConfig
 from acache_jax.model import abstract_transformer
-from acache_jax.sharding import MeshError, check_mesh, expand_kv, kv_copies, make_mesh, param_axes
+from acache_jax.sharding import MeshError, check_mesh, kv_copies, make_mesh, param_axes, repeat_kv_heads
 from tests import hf_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,9 +104,9 @@ def test_kv_heads_are_copied_in_order():
     cfg = ModelConfig.from_hf(hf_checkpoints.dream_config(hidden_size=64, num_attention_heads=8, num_key_value_heads=2))
     assert kv_copies(cfg, 2) == 1 and kv_copies(cfg, 8) == 4
     kernel = np.arange(3 * 16).reshape(3, 16)  # 2 heads of 8
-    out = expand_kv(("layers", 0, "attn", "k", "kernel"), kernel, cfg, 2).reshape(3, 4, 8)
+    out = np.asarray(repeat_kv_heads(kernel, 2, 8, 2)).reshape(3, 4, 8)
     assert (out[:, 0] == out[:, 1]).all() and (out[:, 1] == kernel[:, :8]).all() and (out[:, 2] == kernel[:, 8:]).all()
-    assert expand_kv(("layers", 0, "attn", "q", "kernel"), kernel, cfg, 2) is kernel
+    assert repeat_kv_heads(kernel, 2, 8, 1) is kernel
 
 
 def test_bad_meshes_are_named():
