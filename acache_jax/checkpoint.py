@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from acache_jax import compile_cache
 from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
 from acache_jax.files import partial_name, remove_stale_partials
 from acache_jax.hf_checkpoint import CheckpointError, iter_tensors
@@ -213,6 +214,8 @@ def load(path: str | Path, dtype: Any | None = None, mesh: Mesh | None = None) -
     than the tensor-parallel size, the KV heads are copied (acache_jax/sharding.py).
     An HF directory is converted in memory, one tensor at a time. The directory's
     generation_config.json (if any) becomes the model's generation defaults.
+    The first load turns on JAX's persistent compilation cache in the user's cache directory, unless
+    jax's own cache is configured or ACACHE_JAX_COMPILE_CACHE=off (acache_jax/compile_cache.py).
     """
     path = Path(path)
     if path.is_file():
@@ -227,6 +230,7 @@ def load(path: str | Path, dtype: Any | None = None, mesh: Mesh | None = None) -
     cfg = ModelConfig.from_file(path)
     placed_cfg = sharded_config(cfg, mesh)  # checks the mesh before anything is read
     generation, eos_ids = read_generation_config(path, cfg)
+    compile_cache.enable()  # library users too: see acache_jax/compile_cache.py (no-op once decided)
     tree = _restore_converted(path, cfg, dtype, mesh) if is_converted(path) else _read_hf(path, cfg, dtype, mesh)
     _check_finite(tree)
     graphdef, state = nnx.split(abstract_transformer(placed_cfg, tree["embed"].dtype))

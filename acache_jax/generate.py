@@ -29,6 +29,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
+from acache_jax import compile_cache
 from acache_jax.acache import AffixCache, build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ATTENTION_BACKENDS, CACHE_POLICIES, SELECTORS, DecodeConfig, InputError
@@ -80,6 +81,20 @@ def _ids(text: str) -> list[int]:
         return [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+
+
+def _compile_cache_setting(text: str) -> str:
+    try:
+        return compile_cache.check_setting(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_compile_cache(p: argparse.ArgumentParser) -> None:
+    """--compile-cache, shared by the command lines that compile (acache_jax.compile_cache says why)."""
+    p.add_argument("--compile-cache", metavar="DIR|off", type=_compile_cache_setting, default=None,
+                   help="keep compiled programs in DIR for later processes, or 'off' (default: "
+                        f"${compile_cache.ENV_VAR}, else $XDG_CACHE_HOME/{compile_cache.SUBDIR.as_posix()})")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -135,6 +150,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed", action="store_true",
                    help="several hosts: jax.distributed.initialize from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
                         "JAX_PROCESS_ID (or SLURM / Open MPI); run the same command on every host")
+    _add_compile_cache(p)
     return p
 
 
@@ -350,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     out = None
     try:
+        compile_cache.enable(args.compile_cache)
         if args.model is None and not DEFAULT_MODEL.is_dir():
             raise InputError("no --model given and no default model is shipped with this installation; "
                              "pass --model DIR (an HF LLaDA/Dream snapshot or a converted checkpoint)")

@@ -18,6 +18,8 @@ Model args (`--model_args key=value,...`; text is converted by each setting's ty
 - mc_num: loglikelihood samples per request (in stratified groups of min(batch_size, mc_num));
 - chat (default true): prompts are a user turn of the model's chat template; seed: the request of
   document d decodes with seed + d, and loglikelihood masks are drawn from seed;
+- compile_cache: a directory or off, where compiled programs are kept for later runs (default:
+  ACACHE_JAX_COMPILE_CACHE, else the user's cache directory; acache_jax/compile_cache.py);
 - affix mode (the paper's accuracy study): affix_mode=prefix|infix|suffix, num_fewshot_affix=N,
   fewshot_seed (default: the first N few-shot documents; else N drawn with this seed),
   include_path (where the tasks' YAMLs are; `python -m acache_jax.lm_eval` passes its
@@ -51,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from acache_jax import chat_layout, likelihood
+from acache_jax import chat_layout, compile_cache, likelihood
 from acache_jax.acache import build_affix_cache
 from acache_jax.checkpoint import DTYPES, load
 from acache_jax.config import (FIELD_KINDS, DecodeConfig, DecodeError, InputError, ModelConfig,
@@ -78,7 +80,7 @@ MODEL_NAME = "acache_jax"
 ADAPTER_KINDS = {
     "pretrained": "opt str", "dtype": "opt str", "engine": "bool", "batch_size": "batch", "mc_num": "int",
     "chat": "bool", "seed": "int", "affix_mode": "opt str", "num_fewshot_affix": "int", "fewshot_seed": "opt int",
-    "include_path": "opt str", "pool_tokens": "opt int",
+    "include_path": "opt str", "pool_tokens": "opt int", "compile_cache": "opt str",
 }
 IGNORED = ("device", "max_batch_size", "trust_remote_code")  # lm-eval passes these to every model
 DEFAULT_BATCH = 16
@@ -151,6 +153,7 @@ class Settings:
     fewshot_seed: int | None
     include_path: str | None
     pool_tokens: int | None  # engine: KV pool size in tokens (default: the engine's)
+    compile_cache: str | None = None  # a directory or "off" (None: the environment's, else the default)
 
     @property
     def group(self) -> int:
@@ -167,7 +170,7 @@ def settings(model_args: dict[str, Any]) -> Settings:
     s = Settings(Path(get("pretrained") or DEFAULT_MODEL), dtype, DecodeConfig(), "gen_length" in overrides,
                  get("engine", False), get("batch_size") or DEFAULT_BATCH, get("mc_num", 128), get("chat", True),
                  get("seed", 0), get("affix_mode"), get("num_fewshot_affix", 0), get("fewshot_seed"),
-                 get("include_path"), get("pool_tokens"))
+                 get("include_path"), get("pool_tokens"), get("compile_cache"))
     for name, value, low in (("batch_size", s.batch_size, 1), ("mc_num", s.mc_num, 1),
                              ("num_fewshot_affix", s.shots, 0), ("seed", s.seed, 0),
                              ("fewshot_seed", s.fewshot_seed or 0, 0), ("pool_tokens", s.pool_tokens or 1, 1)):
@@ -176,6 +179,11 @@ def settings(model_args: dict[str, Any]) -> Settings:
     if s.mc_num % s.group:
         raise InputError(f"model_args: mc_num ({s.mc_num}) must be a multiple of batch_size ({s.batch_size}): "
                          "loglikelihood samples come in stratified groups of batch_size")
+    if s.compile_cache is not None:
+        try:
+            compile_cache.check_setting(s.compile_cache)
+        except ValueError as e:
+            raise InputError(f"model_args: compile_cache: {e}") from None
     if s.dtype is not None and s.dtype not in DTYPES:
         raise InputError(f"model_args: dtype must be one of {sorted(DTYPES)}, got {s.dtype!r}")
     if s.affix_mode is not None and s.affix_mode not in AFFIX_POSITIONS:
@@ -222,6 +230,7 @@ class ACacheLM(LM):
         super().__init__()
         self.settings = s = settings(model_args)
         self.config = s.config
+        compile_cache.enable(s.compile_cache)
         self.model = load(s.pretrained, dtype=s.dtype)
         if self.model.tokenizer is None:
             raise InputError(f"{s.pretrained} ships no tokenizer; lm-eval hands over text")

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.acache import build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import CACHE_POLICIES, DecodeConfig, InputError
@@ -111,6 +112,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     try:
         if args.json:
             check_output_path(args.json)

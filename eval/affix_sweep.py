@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from acache_jax import compile_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import DecodeConfig
 from acache_jax.files import write_atomic
@@ -212,6 +213,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     floats = lambda text: tuple(float(x) for x in text.split(",") if x)
     try:  # every setting checked before any work
         grid = Grid(floats(args.ratios), args.ablation_ratio, args.selector, floats(args.masses),

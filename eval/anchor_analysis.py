@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.acache import build_affix_cache, hkvd_deviation, probe_importance
 from acache_jax.checkpoint import load
 from acache_jax.config import anchor_count
@@ -87,6 +88,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     rows = []
     print("| model | placement | shots | K / L | colour in anchors: attention / hkvd | any binding token in "
           "anchors: attention / hkvd | score on the binding: attention / hkvd |\n|---|---|---|---|---|---|---|")

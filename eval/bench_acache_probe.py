@@ -21,6 +21,7 @@ import math
 import jax
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.acache import build_affix_cache, select_anchors_jit
 from acache_jax.layout import Request, make_batch
 from eval.bench_decode import llada_8b, median_seconds, random_model
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--selectors", default="attention", help="comma-separated anchor selectors to time")
     parser.add_argument("--block-length", type=int, default=32, help="hkvd_block's block")
     args = parser.parse_args()
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     cfg = llada_8b(args.layers)
     model = random_model(cfg)
     rng = np.random.default_rng(0)

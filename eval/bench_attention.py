@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.files import write_atomic
 from pallas_kernels import anchor_importance, gathered_attention
 
@@ -305,6 +306,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tks", default="512,1024,2048,4096", help="decode-block key lengths")
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="stop adding bench shapes after this")
     args = ap.parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     _BUDGET_S[0] = args.budget_s
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     result = {"jax": jax.__version__, "device": jax.devices()[0].device_kind}

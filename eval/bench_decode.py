@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from acache_jax import compile_cache
 from acache_jax.acache import build_affix_cache, select_anchors_jit
 from acache_jax.attention import cudnn_attention, dense_attention
 from acache_jax.config import DecodeConfig, ModelConfig
@@ -195,6 +196,7 @@ def main() -> None:
                         help="each case under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     batches = [int(x) for x in args.batches.split(",")]
     prompts = [int(x) for x in args.prompts.split(",")]
     policies = args.policies.split(",")

@@ -31,6 +31,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.engine import Engine
 from acache_jax.engine.engine import ENGINE_SELECTORS
@@ -206,6 +207,7 @@ def main(argv=None) -> None:
                     help="also run each case under cProfile and print its N functions of most own time")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     start = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     shapes = {"llada": lambda n: llada_8b(n or 32), "dream": lambda n: dream_7b(n or 28)}

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.kv import KVPool, read_set, rows_access
 from acache_jax.model import ForwardInputs, forward
 from eval.bench_decode import forward_flops, llada_8b, median_seconds, random_model
@@ -27,6 +28,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--lengths", default="556,1156")
     args = parser.parse_args()
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     cfg = llada_8b(args.layers)
     model = random_model(cfg)
     gd, params = model.graphdef, model.params

@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.checkpoint import load
 from acache_jax.files import check_output_path, write_atomic
 from acache_jax.generate import DEFAULT_MODEL
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     from acache_jax.serve.worker import Settings
 
     args = parser().parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     if args.json:
         check_output_path(args.json)
     shipped = load(args.model or DEFAULT_MODEL)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.checkpoint import load
 from acache_jax.engine import Engine
 from acache_jax.files import check_output_path, write_atomic
@@ -152,6 +153,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     if args.json:
         check_output_path(args.json)
     rng = np.random.default_rng(args.seed)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from acache_jax import compile_cache
 from acache_jax.config import ModelConfig
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.train import SIZES, Recipe, TrainState, initial_model, model_config, optimizer, train_step
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated shares of pretraining rows (whole sequence maskable)")
     p.add_argument("--embed", default="one-hot", help="comma-separated embedding lookups: one-hot (the recipe's), take")
     args = p.parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     lookups = args.embed.split(",")
     if not set(lookups) <= {"one-hot", "take"}:
         p.error(f"--embed takes one-hot and/or take, got {args.embed!r}")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from acache_jax import compile_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import SELECTORS
 from acache_jax.decode import generate
@@ -83,6 +84,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     if args.json:
         check_output_path(args.json)
     rows = []

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from acache_jax import compile_cache
 from acache_jax.config import ModelConfig
 from acache_jax.model import ForwardInputs, forward
 from pallas_kernels.gathered_attention import rope
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--aux", type=float, default=0.0, help="fixed-function rows per recall row (0: none)")
     p.add_argument("--gap", type=int, default=0, help="filler tokens between the query and its mask")
     args = p.parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     pairs, steps = ([int(x) for x in v.split(",")] for v in (args.pairs, args.steps))
     try:
         train_recall(args.net, pairs, steps, args.shared_embedding, aux=args.aux, gap=args.gap)

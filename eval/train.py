@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from acache_jax import compile_cache
 from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.model import ForwardInputs, Transformer, forward
 from acache_jax.files import write_atomic
@@ -319,6 +320,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     mixture = parse_mixture(args.tasks, args.weights, args.max_shots)
     dtype = args.compute_dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
     recipe = Recipe(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, compute_dtype=dtype,

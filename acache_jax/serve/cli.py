@@ -13,10 +13,11 @@ import signal
 import sys
 from pathlib import Path
 
+from acache_jax import compile_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ATTENTION_BACKENDS, InputError
 from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
-from acache_jax.generate import DEFAULT_MODEL, _Parser, _positive, _threshold
+from acache_jax.generate import DEFAULT_MODEL, _add_compile_cache, _Parser, _positive, _threshold
 
 
 def _non_negative(text: str) -> int:
@@ -55,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
                    help="compile every program of steps up to this many tokens at start (on a GPU: about "
                         "max batch x prompt + answer tokens; 0: compile as requests first need them)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds running requests get at SIGTERM")
+    _add_compile_cache(p)
     return p
 
 
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"error: the server needs the serve extra (pip install 'acache-jax[serve]'): {e}", file=sys.stderr)
         return 2
+    compile_cache.enable(args.compile_cache)  # before the first compile: the warm-up's programs are kept
     try:
         model = load(args.model or DEFAULT_MODEL, dtype=args.dtype)
         fields = {k: getattr(args, k) for k in ("gen_length", "block_length", "threshold", "steps", "anchor_ratio")
