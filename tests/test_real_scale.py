@@ -1,0 +1,26 @@
+"""The real-scale check (eval.real_scale) at a CPU's size: every step it runs succeeds and its table
+says what happened (the H200 runs at 8B size are in docs/BENCHMARKS.md)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_real_scale_runs_each_entry_point_and_reads_the_cache_back(tmp_path):
+    out = tmp_path / "rows.json"
+    run = subprocess.run([sys.executable, "-m", "eval.real_scale", "--family", "llada", "--layers", "1", "--hidden",
+                          "128", "--steps", "convert,load,generate", "--gen-length", "32", "--workdir",
+                          str(tmp_path / "work"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {row["step"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["write snapshot", "read files (page cache)", "convert", "load snapshot", "load converted",
+                          "generate, cold cache", "generate, warm cache", "generate converted, warm cache"]
+    assert all(row.get("rc", 0) == 0 and "error" not in row for row in rows.values())
+    assert all(row["peak_rss_gb"] > 0 and row["programs"] > 0 for row in rows.values() if "rc" in row)
+    cold, warm = rows["generate, cold cache"], rows["generate, warm cache"]
+    assert cold["cache_hits"] == 0 and warm["cache_hits"] > 0 and warm["program_s"] < cold["program_s"]
+    assert "| generate, warm cache |" in run.stdout  # the table
