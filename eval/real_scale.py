@@ -76,7 +76,7 @@ def child(module: str, argv: list[str]) -> None:
         imported = time.perf_counter()
         model = acache_jax.load(argv[0])
         jax.block_until_ready(model.flat[1])
-        print(json.dumps({"import_s": imported - started, "load_s": time.perf_counter() - imported}))
+        print(json.dumps({"import_s": round(imported - started, 2), "load_s": round(time.perf_counter() - imported, 2)}))
         return
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -129,6 +129,8 @@ class Step:
             file.unlink(missing_ok=True)
         peak = stats.pop("peak_device_bytes", None)
         self.row.update(peak_device_gb=None if peak is None else round(peak / GB, 2), **stats)
+        if self.cmd[0] == "load" and self.proc.returncode == 0:  # the child's own import and load times
+            self.row.update(json.loads(self.stdout.strip().splitlines()[-1]))
         if self.proc.returncode != 0 and "error" not in self.row:
             self.row["error"] = (self.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
         return self.row
@@ -222,13 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", default=",".join(STEPS), help=f"which of {','.join(STEPS)} to run")
     p.add_argument("--gen-length", type=int, default=256)
     p.add_argument("--warmup-tokens", type=int, default=None,
-                   help="the server's --warmup-tokens (default: 16 x 128, a GPU server's; 0 on a CPU)")
+                   help="the server's --warmup-tokens (default: 16 x 128 with an NVIDIA GPU; else 0)")
     p.add_argument("--timeout", type=float, default=900, help="seconds any one step may take")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (atomically)")
     args = p.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     if unknown := sorted(set(steps) - set(STEPS)):
         p.error(f"unknown steps {unknown}; choose from {','.join(STEPS)}")
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # this process never takes the GPU (or its memory) from its children
+    from acache_jax.files import write_atomic  # here: a child imports the library as the user's process would
+
     root = Path(__file__).resolve().parents[1]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="real-scale-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -237,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     def report(row: dict) -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.out is not None:  # after every step: a run stopped from outside keeps what it finished
+            write_atomic(args.out, json.dumps({"family": args.family, "layers": args.layers, "hidden": args.hidden,
+                                               "rows": rows}, indent=1))
 
     try:
         snapshot = work / f"{args.family}-snapshot"
@@ -285,19 +295,12 @@ def main(argv: list[str] | None = None) -> int:
                                           "--include_path", str(root / "eval" / "lm_eval_tasks"), "--limit", "1",
                                           "--output_path", str(out_dir)])
         if "serve" in steps:
-            import jax
-
-            warmup = args.warmup_tokens if args.warmup_tokens is not None else (
-                16 * 128 if jax.default_backend() == "gpu" else 0)
+            gpu = Path("/dev/nvidiactl").exists()
+            warmup = args.warmup_tokens if args.warmup_tokens is not None else 16 * 128 if gpu else 0
             empty_cache()
             report(serve_step("serve, cold cache", snapshot, env, root, warmup, args.timeout))
             report(serve_step("serve, warm cache", snapshot, env, root, warmup, args.timeout))
     finally:
-        if args.out is not None:
-            from acache_jax.files import write_atomic
-
-            write_atomic(args.out, json.dumps({"family": args.family, "layers": args.layers, "hidden": args.hidden,
-                                               "rows": rows}, indent=1))
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     print_table(rows)
