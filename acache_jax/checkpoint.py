@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from acache_jax import compile_cache
 from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
 from acache_jax.files import partial_name, remove_stale_partials
-from acache_jax.hf_checkpoint import CheckpointError, iter_tensors
+from acache_jax.hf_checkpoint import READ_AHEAD_BYTES, CheckpointError, iter_tensors
 from acache_jax.model import Model, abstract_transformer
 from acache_jax.sharding import is_kv_projection, kv_copies, param_sharding, place_param, sharded_config
 from acache_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -90,13 +90,16 @@ def save(
     try:  # the mkdir inside: a signal just after it would otherwise skip the cleanup
         tmp.mkdir()
         # Leaves as jax arrays (orbax stages a copy of numpy leaves), written uncompressed
-        # (compression buffers every array) and SAVE_IN_FLIGHT_BYTES at a time: peak memory stays
-        # near the output. Orbax refuses a tensor larger than its in-flight limit (an 8B model's
-        # 1 GB embedding), so the limit is at least the largest tensor.
+        # (compression buffers every array), copied from the device and written SAVE_IN_FLIGHT_BYTES
+        # at a time: peak host memory stays near the output (on a GPU, near the in-flight bytes;
+        # unbounded, an 8B conversion on an H200 staged the whole model: 24 GB). Orbax refuses a
+        # tensor larger than its in-flight limit (an 8B model's 1 GB embedding), so the limit is at
+        # least the largest tensor.
         tree = _nest((path, jnp.asarray(array)) for path, array in params)
         largest = max(leaf.nbytes for leaf in jax.tree.leaves(tree))
+        in_flight = max(SAVE_IN_FLIGHT_BYTES, largest + 1)
         handler = ocp.PyTreeCheckpointHandler(handler_impl=ocp.BasePyTreeCheckpointHandler(
-            save_concurrent_bytes=max(SAVE_IN_FLIGHT_BYTES, largest + 1), use_compression=False))
+            save_concurrent_bytes=in_flight, save_device_host_concurrent_bytes=in_flight, use_compression=False))
         ocp.Checkpointer(handler).save(tmp / "params", args=ocp.args.PyTreeSave(tree))
         del tree
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -171,8 +174,17 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
             desc: str = "loading") -> Iterator[tuple[tuple, jax.Array]]:
     """(our param path, device array in our layout) for every tensor of an HF snapshot: the host
     reads bytes, the device transposes and casts them (acache_jax.sharding.place_param)."""
+    unsynced = 0
     for entry, tensor in iter_tensors(path, cfg, progress(f"{desc} {path.name}")):
-        yield entry.path, place_param(entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose)
+        placed = place_param(entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose)
+        # Transfers and transposes run asynchronously, each holding its host and device source
+        # until done: wait now and then, so that neither memory holds more than READ_AHEAD_BYTES
+        # of tensors in flight (without this, an 8B load peaked at twice the model on the device).
+        unsynced += tensor.nbytes
+        if unsynced > READ_AHEAD_BYTES:
+            placed.block_until_ready()
+            unsynced = 0
+        yield entry.path, placed
 
 
 def _read_hf(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:

@@ -22,8 +22,10 @@ The processes run under `python -m eval.real_scale --child MODULE ...`, which ru
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import signal
 import socket
@@ -37,6 +39,7 @@ from pathlib import Path
 GB = 1e9
 STEPS = ("convert", "load", "generate", "engine", "lm_eval", "serve")
 STATS_ENV = "REAL_SCALE_STATS"  # where a child writes its device and compile figures
+PROFILE_ENV = "REAL_SCALE_PROFILE"  # set: load steps print a cProfile of the load to stderr
 CACHE_ENV = "ACACHE_JAX_COMPILE_CACHE"
 
 
@@ -74,9 +77,13 @@ def child(module: str, argv: list[str]) -> None:
         import acache_jax
 
         imported = time.perf_counter()
-        model = acache_jax.load(argv[0])
+        profiler = cProfile.Profile() if os.environ.get(PROFILE_ENV) else None
+        model = acache_jax.load(argv[0]) if profiler is None else profiler.runcall(acache_jax.load, argv[0])
         jax.block_until_ready(model.flat[1])
-        print(json.dumps({"import_s": round(imported - started, 2), "load_s": round(time.perf_counter() - imported, 2)}))
+        loaded = time.perf_counter()
+        if profiler is not None:  # where a load's time goes, on stderr (the run's --log keeps it)
+            pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
+        print(json.dumps({"import_s": round(imported - started, 2), "load_s": round(loaded - imported, 2)}))
         return
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -86,8 +93,8 @@ def child(module: str, argv: list[str]) -> None:
 class Step:
     """One process a user would run: wall seconds, peak RSS (its own, from wait4), the child's figures."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, cwd: Path):
-        self.name, self.cmd, self.env, self.cwd = name, cmd, env, cwd
+    def __init__(self, name: str, cmd: list[str], env: dict, cwd: Path, log: Path | None = None):
+        self.name, self.cmd, self.env, self.cwd, self.log = name, cmd, env, cwd, log
         self.row: dict = {"step": name}
 
     def start(self) -> None:
@@ -121,6 +128,9 @@ class Step:
         self.row.update(seconds=round(time.perf_counter() - self.t0, 2), rc=self.proc.returncode,
                         peak_rss_gb=round(self.peak_rss / GB, 2))
         self.stdout, self.stderr = (self.files[k].read_text(errors="replace") for k in ("out", "err"))
+        if self.log is not None:
+            with open(self.log, "a") as log:
+                log.write(f"==== {self.name} (rc {self.proc.returncode}): {' '.join(self.cmd)}\n{self.stderr}\n")
         try:
             stats = json.loads(self.files["stats"].read_text() or "{}")
         except json.JSONDecodeError:
@@ -170,12 +180,13 @@ def _post(url: str, body: dict, timeout: float) -> tuple[float, bytes]:
     return time.perf_counter() - started, data
 
 
-def serve_step(name: str, model: Path, env: dict, cwd: Path, warmup_tokens: int, timeout: float) -> dict:
+def serve_step(name: str, model: Path, env: dict, cwd: Path, warmup_tokens: int, timeout: float,
+               log: Path | None = None) -> dict:
     """Start the server (with its warm-up), wait until it answers, send one chat request and one
     streamed one, stop it with SIGTERM."""
     port = _free_port()
     step = Step(name, ["acache_jax.serve", "--model", str(model), "--port", str(port),
-                       "--warmup-tokens", str(warmup_tokens)], env, cwd)
+                       "--warmup-tokens", str(warmup_tokens)], env, cwd, log)
     step.start()
     base = f"http://127.0.0.1:{port}"
     deadline = step.t0 + timeout
@@ -227,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the server's --warmup-tokens (default: 16 x 128 with an NVIDIA GPU; else 0)")
     p.add_argument("--timeout", type=float, default=900, help="seconds any one step may take")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here (atomically)")
+    p.add_argument("--log", type=Path, default=None, help="append every process's stderr here")
     args = p.parse_args(argv)
     steps = [s for s in args.steps.split(",") if s]
     if unknown := sorted(set(steps) - set(STEPS)):
@@ -266,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
         env = {**os.environ, CACHE_ENV: str(cache), "PYTHONUNBUFFERED": "1"}
         converted = work / f"{args.family}-converted"
-        run = lambda name, cmd: report(Step(name, cmd, env, root).run(args.timeout))  # noqa: E731
+        run = lambda name, cmd: report(Step(name, cmd, env, root, args.log).run(args.timeout))  # noqa: E731
         if "convert" in steps:
             shutil.rmtree(converted, ignore_errors=True)
             run("convert", ["convert", str(snapshot), str(converted)])
@@ -298,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             gpu = Path("/dev/nvidiactl").exists()
             warmup = args.warmup_tokens if args.warmup_tokens is not None else 16 * 128 if gpu else 0
             empty_cache()
-            report(serve_step("serve, cold cache", snapshot, env, root, warmup, args.timeout))
-            report(serve_step("serve, warm cache", snapshot, env, root, warmup, args.timeout))
+            report(serve_step("serve, cold cache", snapshot, env, root, warmup, args.timeout, args.log))
+            report(serve_step("serve, warm cache", snapshot, env, root, warmup, args.timeout, args.log))
     finally:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
