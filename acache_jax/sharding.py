@@ -169,8 +169,8 @@ def place_param(path: Sequence[Any], array: np.ndarray | jax.Array, cfg: ModelCo
     copies = kv_copies(cfg, tensor_parallel_size(mesh)) if is_kv_projection(path) else 1
     target = None if mesh is None else param_sharding(mesh, path)
     if not isinstance(array, jax.Array):
-        if mesh is None:  # committed, as restored arrays are: both loads then share compiled programs
-            array = jax.device_put(array, jax.devices()[0])
+        if mesh is None:  # uncommitted: inputs made later (uncommitted too) then run the same programs
+            array = jax.device_put(array)
         else:
             spec = P() if copies > 1 else P(*reversed(target.spec)) if transposed else target.spec
             host = array
