@@ -24,7 +24,7 @@ from flax import nnx
 
 from acache_jax.config import SELECTORS, ModelConfig
 from acache_jax.kv import AffixCache, read_set, rows_access
-from acache_jax.layout import Batch, RequestError, affix_token_ids, bucket
+from acache_jax.layout import Batch, RequestError, bucket, check_affix
 from acache_jax.model import ForwardInputs, Model, forward
 from acache_jax.sharding import place_kv
 from pallas_kernels import rope
@@ -39,14 +39,7 @@ def build_affix_cache(model: Model, affix_ids, bucketed: bool = False) -> AffixC
     many lengths share a few compiled programs (a server meets a new length with every discovered
     span). The real tokens' K/V are those of the unpadded run up to float summation order; use
     one setting for caches whose results are compared."""
-    ids = affix_token_ids(affix_ids)
-    if not ids:
-        raise RequestError("the affix is empty")
-    if len(ids) > model.config.max_seq_len:
-        raise RequestError(f"the affix has {len(ids)} tokens, more than the model's context of {model.config.max_seq_len}")
-    bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-    if bad:
-        raise RequestError(f"affix token ids outside the vocabulary [0, {model.config.vocab_size}): {bad[:5]}")
+    ids = check_affix(affix_ids, model.config)
     n = len(ids)
     padded = bucket(n) if bucketed else n
     tokens = np.full((1, padded), model.config.pad_token_id, np.int32)

@@ -252,4 +252,6 @@ def load(path: str | Path, dtype: Any | None = None, mesh: Mesh | None = None) -
     _check_finite(tree)
     graphdef, state = nnx.split(abstract_transformer(placed_cfg, tree["embed"].dtype))
     nnx.replace_by_pure_dict(state, tree)
-    return Model(placed_cfg, graphdef, state, load_tokenizer(path), generation, eos_ids, mesh)
+    source = path / GENERATION_CONFIG_FILE
+    return Model(placed_cfg, graphdef, state, load_tokenizer(path), generation, eos_ids, mesh,
+                 source if source.is_file() else None)

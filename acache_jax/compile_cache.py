@@ -47,11 +47,16 @@ that decision.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, TextIO
 
 import jax
 
@@ -181,3 +186,56 @@ def enable(setting: str | None = None) -> Path | None:
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     _active = wanted
     return _active
+
+
+# A program whose compile (or cache read) has run this long gets `note_long_compiles`'s line; a
+# program read back from the cache takes 0.01-0.3 s, a compile of the shipped models' decode
+# program 2-6 s on a CPU.
+NOTE_AFTER_SECS = 1.0
+_LOWERED = "/jax/core/compile/jaxpr_to_mlir_module_duration"  # a program was lowered: its compile or read follows
+_COMPILED = "/jax/core/compile/backend_compile_duration"  # ... and has finished (compiled or read)
+
+
+@contextlib.contextmanager
+def note_long_compiles(stream: TextIO | None = None, after: float = NOTE_AFTER_SECS) -> Iterator[None]:
+    """Inside the block, print one line on `stream` (default stderr) once a program has been
+    compiling for `after` seconds: at most once, and only when `stream` is a terminal.
+
+    Why: a command's first run of a shape spends most of its seconds in XLA's compiler, and a
+    silent wait of 4-13 s reads as a hang. A program read back from this cache finishes well within
+    `after`, so the line appears only when a compile really runs, and it says that later runs read
+    the program back (or that the cache is off). Only a terminal gets it, as git and pip show
+    progress: in logs and pipelines stderr keeps to errors and statistics, and stdout is never
+    touched. jax reports each program's lowering and the end of its compile (or cache read) to
+    `jax.monitoring` listeners; a thread notes a compile that has not ended in time."""
+    stream = sys.stderr if stream is None else stream
+    if not getattr(stream, "isatty", lambda: False)():
+        yield
+        return
+    started: list[float | None] = [None]  # when the program now compiling was lowered
+    stop = threading.Event()
+
+    def on_duration(event: str, duration: float, **kwargs: Any) -> None:
+        if event == _LOWERED:
+            started[0] = time.monotonic()
+        elif event == _COMPILED:
+            started[0] = None
+
+    def watch() -> None:
+        while not stop.wait(0.1):
+            began = started[0]
+            if began is not None and time.monotonic() - began >= after:
+                later = (f"later runs read it from the compilation cache in {_active}" if _active is not None
+                         else "the compilation cache is off, so every run compiles it")
+                print(f"acache-jax: compiling a program for this shape ({later})...", file=stream, flush=True)
+                return
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    watcher = threading.Thread(target=watch, name="compile-note", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+        jax.monitoring.unregister_event_duration_listener(on_duration)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -429,8 +431,26 @@ def read_generation_config(directory: str | Path, mcfg: ModelConfig) -> tuple[De
         config = DecodeConfig().replace(**{field: raw[key] for key, field in GENERATION_KEYS.items()
                                            if raw.get(key) is not None or (key == "threshold" and key in raw)})
     except DecodeError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        message = str(e)
+        for key, field in GENERATION_KEYS.items():  # the file's own names (max_new_tokens, not gen_length)
+            message = re.sub(rf"\b{field}\b", key, message)
+        raise ConfigError(f"{path}: {message}") from None
     return config, tuple(dict.fromkeys([mcfg.eos_token_id, *eos]))
+
+
+def name_defaults(message: str, defaults: DecodeConfig, source: Path | None, given: Iterable[str]) -> str:
+    """`message` (an error about decoding settings) with a note for each generation setting it names
+    that the caller did not give: its value is the model's default, and where that came from (the
+    key in generation_config.json), so that a user who never typed gen_length learns why it is 32."""
+    notes = []
+    for key, field in GENERATION_KEYS.items():
+        if field in given or not re.search(rf"\b{field}\b", message):
+            continue
+        value = getattr(defaults, field)
+        from_file = source is not None and value != getattr(DecodeConfig, field)
+        notes.append(f"{field} {value!r} is the model's default, from {key} in {source}" if from_file
+                     else f"{field} {value!r} is DecodeConfig's default")
+    return message if not notes else f"{message} ({'; '.join(notes)})"
 
 
 def generation_config_json(config: DecodeConfig, mcfg: ModelConfig) -> dict[str, Any]:

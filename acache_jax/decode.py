@@ -27,7 +27,7 @@ from flax import nnx
 from acache_jax import sampling
 from acache_jax.acache import build_affix_cache, check_affix_cache, select_anchors_jit
 from acache_jax.config import DecodeConfig, DecodeError, ModelConfig, resolve_decode_config
-from acache_jax.layout import Batch, Request, affix_token_ids, as_requests, check_requests, make_batch
+from acache_jax.layout import Batch, Request, as_requests, check_requests, make_batch
 from acache_jax.kv import AffixCache, KVPool, flat_index, read_set, rows_access
 from acache_jax.model import ForwardInputs, Model
 from acache_jax.model import forward as model_forward
@@ -241,8 +241,7 @@ def generate(
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch <= 0:
         raise DecodeError(f"max_batch must be a positive integer, got {max_batch!r}")
     requests = as_requests(prompts)
-    affix_ids = None if affix is None else affix_token_ids(affix)
-    check_requests(requests, config.gen_length, model.config, affix_ids)
+    affix_ids = check_requests(requests, config.gen_length, model.config, affix)
     for r in requests:
         check_policy(config, r, affix_ids)
     cache, k = None, 0
@@ -251,7 +250,7 @@ def generate(
         check_affix_cache(model, cache)
         k = config.anchors(cache.length)
     # Sort by length so that each batch pads little; results are put back in input order.
-    length = lambda r: r.row(affix_ids or [], 0, 0).num_columns
+    length = lambda r: sum(r.lengths(len(affix_ids or ())).values())
     order = sorted(range(len(requests)), key=lambda i: length(requests[i]))
     chunks = [order[i:i + max_batch] for i in range(0, len(order), max_batch)]
     if progress:

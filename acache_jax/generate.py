@@ -1,10 +1,11 @@
 """Command line: `python -m acache_jax.generate --prompt "..."` (see --help).
 
-Requests come from --prompt / --prompt-ids, or one per line of --input FILE.jsonl, where each line is
-an object whose keys are the flag names without dashes (`-` as `_`) and override the flags for that
-request. Decoding settings start from the model's generation_config.json; flags override them.
-Requests with equal decoding settings and affix are batched; every line is checked before any work
-starts, and results are printed in input order as soon as they and all earlier ones are done.
+Requests come from --prompt / --prompt-ids, or one per line of --input FILE.jsonl (a file, a pipe, or
+`-` for standard input), where each line is an object whose keys are the flag names without dashes
+(`-` as `_`) and override the flags for that request. Decoding settings start from the model's
+generation_config.json; flags override them. Requests with equal decoding settings and affix are
+batched; every line is checked before any work starts (every bad line is reported), and results are
+printed in input order as soon as they and all earlier ones are done.
 
 A shared affix (--affix TEXT or --affix-ids) is placed as prefix ([affix][prompt]), infix
 ([prompt][affix][prompt tail]) or suffix ([prompt][generation][affix]). With an affix, texts are
@@ -36,8 +37,8 @@ from acache_jax.config import ATTENTION_BACKENDS, CACHE_POLICIES, SELECTORS, Dec
 from acache_jax.decode import check_policy, generate
 from acache_jax.engine import Engine
 from acache_jax.engine.engine import check_engine_config
-from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_request, token_ids
-from acache_jax.model import Model
+from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_affix, check_request, token_ids
+from acache_jax.model import Model, check_text
 from acache_jax.sharding import initialize_distributed, make_mesh
 
 # The shipped LLaDA-architecture model (acache_jax/models/README.md); used when --model is not given.
@@ -49,6 +50,7 @@ DECODE_KEYS = ("gen_length", "block_length", "steps", "threshold", "factor", "te
 REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "affix": str, "affix_ids": list, "prompt_tail": str,
                 "prompt_tail_ids": list, "seed": int, "no_chat": bool, "affix_position": str}
 WINDOW_BATCHES = 4  # the static path decodes this many batches of input lines, then prints them
+MAX_REPORTED = 20  # bad --input lines reported by name; the rest are counted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,7 +65,10 @@ def _threshold(text: str) -> float | None:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
@@ -161,39 +166,62 @@ def _mesh(args: argparse.Namespace) -> Mesh | None:
     return make_mesh(args.tensor_parallel_size or 1, args.data_parallel_size or 1)
 
 
-def _lines(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
-    """(where, request object) of every request: the flags' one, or each line of --input."""
+def _read_input(path: Path) -> tuple[str, bytes]:
+    """(the name errors give it, its bytes) of --input: a file, a pipe or FIFO (`<(...)`,
+    /dev/stdin), or `-` for standard input."""
+    if str(path) == "-":
+        return "<stdin>", sys.stdin.buffer.read()
+    if path.is_dir():
+        raise InputError(f"--input {path} is a directory; give a JSONL file")
+    if not path.exists():
+        raise InputError(f"--input {path} does not exist")
+    try:
+        return str(path), path.read_bytes()
+    except OSError as e:
+        raise InputError(f"--input {path} cannot be read: {e.strerror or e}") from None
+
+
+def _parse_line(raw: bytes) -> dict[str, Any]:
+    """One --input line as a request object whose keys are known and whose request keys have their
+    types (decoding settings are checked by DecodeConfig)."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})") from None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise InputError(f"expected a JSON object, got {json.dumps(obj)[:40]}")
+    unknown = sorted(set(obj) - set(REQUEST_KEYS) - set(DECODE_KEYS))
+    if unknown:
+        raise InputError(f"unknown keys {unknown}; known: {sorted([*REQUEST_KEYS, *DECODE_KEYS])}")
+    for key, kind in REQUEST_KEYS.items():
+        value = obj.get(key)
+        if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+            raise InputError(f"{key} must be {kind.__name__ if kind is not list else 'a list'}, "
+                             f"got {json.dumps(value)[:40]}")
+    return obj
+
+
+def _lines(args: argparse.Namespace) -> list[tuple[str, dict[str, Any] | InputError]]:
+    """(where, request object, or the error that makes the line none) of every request: the flags'
+    one, or each non-blank line of --input."""
     if args.input is None:
         if args.prompt is None and args.prompt_ids is None:
             raise InputError("give --prompt TEXT, --prompt-ids 1,2,3 or --input FILE.jsonl")
         return [("the flags", {})]
-    if args.input.is_dir():
-        raise InputError(f"--input {args.input} is a directory; give a JSONL file")
-    if not args.input.is_file():
-        raise InputError(f"--input {args.input} does not exist")
-    lines = []
-    for n, line in enumerate(args.input.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{args.input}:{n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{where}: not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise InputError(f"{where}: expected a JSON object, got {json.dumps(obj)[:40]}")
-        unknown = sorted(set(obj) - set(REQUEST_KEYS) - set(DECODE_KEYS))
-        if unknown:
-            raise InputError(f"{where}: unknown keys {unknown}; known: {sorted([*REQUEST_KEYS, *DECODE_KEYS])}")
-        for key, kind in REQUEST_KEYS.items():
-            value = obj.get(key)
-            wrong = value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool)))
-            if wrong:
-                raise InputError(f"{where}: {key} must be {kind.__name__ if kind is not list else 'a list'}, "
-                                 f"got {json.dumps(value)[:40]}")
-        lines.append((where, obj))
+    name, data = _read_input(args.input)
+    lines: list[tuple[str, dict[str, Any] | InputError]] = []
+    for n, raw in enumerate(data.removeprefix(b"\xef\xbb\xbf").splitlines(), 1):  # a UTF-8 BOM is no request
+        if raw.strip():
+            try:
+                lines.append((f"{name}:{n}", _parse_line(raw)))
+            except InputError as e:
+                lines.append((f"{name}:{n}", e))
     if not lines:
-        raise InputError(f"--input {args.input} holds no requests")
+        raise InputError(f"--input {name} holds no requests")
     return lines
 
 
@@ -202,12 +230,21 @@ def _field(req: dict[str, Any], args: argparse.Namespace, key: str) -> Any:
     return req[key] if key in req else getattr(args, key, None)
 
 
+def _name(req: dict[str, Any], key: str) -> str:
+    """How errors name `key`'s value: the line's key, or the flag it came from."""
+    return key if key in req else "--" + key.replace("_", "-")
+
+
 def _choose(req, args, text_key: str, ids_key: str) -> tuple[list[int] | None, str | None]:
     """(ids, None) or (None, text) for one span: the request line's own key wins over the flags,
-    and between flags the ids win."""
+    and between flags the ids win. A text is checked (valid Unicode, not empty)."""
     ids, text = _field(req, args, ids_key), _field(req, args, text_key)
     if ids is not None and (ids_key in req or text_key not in req):
         return token_ids(ids, ids_key), None
+    if text is not None:
+        check_text(text, _name(req, text_key))
+        if not text:
+            raise InputError(f"{_name(req, text_key)} is empty")
     return None, text
 
 
@@ -245,29 +282,56 @@ class _Job:
     request: Request
 
 
+def _check_settings(req: dict[str, Any], settings: dict[str, Any], affix: list[int] | None,
+                    config: DecodeConfig) -> None:
+    """Settings that would otherwise be dropped without a word: a factor and a threshold are two
+    rules for the same choice (the factor would win), and an anchor mass only shapes the anchors of
+    `acache` with an affix."""
+    if settings.get("factor") is not None and "threshold" in settings:
+        raise InputError(f"{_name(req, 'factor')} and {_name(req, 'threshold')} are two rules for which tokens a "
+                         "step commits; give one")
+    if settings.get("anchor_mass") is not None and (affix is None or config.cache != "acache"):
+        why = "this request has no affix" if affix is None else f"the cache policy is {config.cache!r}"
+        raise InputError(f"{_name(req, 'anchor_mass')} sets the anchor budget of cache acache with an affix; {why}")
+
+
+def _job(model: Model, args: argparse.Namespace, flags: dict[str, Any], req: dict[str, Any]) -> _Job:
+    """One request (a line's object over the flags), tokenized and checked; lengths by arithmetic
+    before anything is built."""
+    settings = flags | {k: req[k] for k in DECODE_KEYS if k in req}
+    config = model.decode_config(**settings, attn_backend=args.backend)
+    if args.engine:
+        check_engine_config(config)
+    prompt, affix, tail = _encode(req, args, model)
+    _check_settings(req, settings, affix, config)
+    affix = None if affix is None else check_affix(affix, model.config)
+    position = _field(req, args, "affix_position")
+    request = Request(prompt, tail=tail, affix_position=position or ("prefix" if affix is not None else None),
+                      seed=_field(req, args, "seed"))
+    try:
+        check_request(request, config.gen_length, model.config, affix)
+    except InputError as e:
+        raise RequestError(model.name_defaults(str(e), settings)) from None
+    check_policy(config, request, affix)
+    return _Job(config, None if affix is None else tuple(affix), request)
+
+
 def _jobs(model: Model, args: argparse.Namespace) -> list[_Job]:
-    """Every request, checked and tokenized before any work starts; errors name the line."""
+    """Every request, checked and tokenized before any work starts. Every bad line of --input is
+    reported (the first MAX_REPORTED of them, each naming its line), not just the first."""
     flags = {k: getattr(args, k) for k in DECODE_KEYS if hasattr(args, k)}
-    jobs = []
+    jobs, problems = [], []
     for where, req in _lines(args):
         try:
-            settings = flags | {k: req[k] for k in DECODE_KEYS if k in req}
-            config = model.decode_config(**settings, attn_backend=args.backend)
-            if args.engine:
-                check_engine_config(config)
-            prompt, affix, tail = _encode(req, args, model)
-            position = _field(req, args, "affix_position")
-            if affix is None and position is not None:
-                raise RequestError(f"affix_position {position!r} given without an affix (--affix / affix_ids)")
-            if position is not None and position not in AFFIX_POSITIONS:
-                raise RequestError(f"affix_position must be one of {AFFIX_POSITIONS}, got {position!r}")
-            request = Request(prompt, tail=tail, affix_position=(position or "prefix") if affix else None,
-                              seed=_field(req, args, "seed"))
-            check_request(request, config.gen_length, model.config, affix)
-            check_policy(config, request, affix)
+            if isinstance(req, InputError):
+                raise req
+            jobs.append(_job(model, args, flags, req))
         except InputError as e:
-            raise InputError(f"{where}: {e}" if args.input else str(e)) from None
-        jobs.append(_Job(config, None if affix is None else tuple(affix), request))
+            problems.append(f"{where}: {e}" if args.input else str(e))
+    if len(problems) > MAX_REPORTED:
+        problems[MAX_REPORTED:] = [f"and {len(problems) - MAX_REPORTED} more bad lines"]
+    if problems:
+        raise InputError("\n".join(problems))
     return jobs
 
 
@@ -346,7 +410,9 @@ def _run_static(model: Model, jobs: list[_Job], batch_size: int, out: _Output) -
 def _run_engine(model: Model, jobs: list[_Job], args: argparse.Namespace, out: _Output) -> None:
     """One engine per decoding config, stepped until its requests are done; results printed as they finish."""
     for config, members in _by_config(jobs).items():
-        engine = Engine(model, config, pool_tokens=args.pool_tokens, max_batch=args.batch_size)
+        # no larger a batch (and so a default pool) than these requests need: a pool for 16 requests of
+        # LLaDA-8B's context is 34 GB, for the one request of a --prompt run
+        engine = Engine(model, config, pool_tokens=args.pool_tokens, max_batch=min(args.batch_size, len(members)))
         ids = {engine.add(job.request, job.affix): i for i, job in members}
         while not engine.scheduler.idle:
             for res in engine.step():
@@ -375,12 +441,14 @@ def main(argv: list[str] | None = None) -> int:
         model = load(args.model or DEFAULT_MODEL, dtype=args.dtype, mesh=_mesh(args))
         jobs = _jobs(model, args)
         out = _Output(model, args.json)
-        if args.engine:
-            _run_engine(model, jobs, args, out)
-        else:
-            _run_static(model, jobs, args.batch_size, out)
+        with compile_cache.note_long_compiles():
+            if args.engine:
+                _run_engine(model, jobs, args, out)
+            else:
+                _run_static(model, jobs, args.batch_size, out)
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():  # one line per problem (every bad --input line)
+            print(f"error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         done = 0 if out is None else out.done

@@ -66,6 +66,39 @@ def affix_token_ids(affix: Any) -> list[int]:
     return token_ids(affix.ids if hasattr(affix, "ids") else affix, "the affix")
 
 
+def check_context(max_seq_len: int, **tokens: int) -> None:
+    """A clear error when the named token counts (`prompt=3, affix=20, gen_length=32`) do not fit in
+    the model's context. Plain arithmetic on counts, never on rows: every path (the CLI, JSONL lines,
+    `generate`, `Engine.add`, the server, lm-eval, likelihood, affix caches) checks lengths here
+    before any row, buffer or program exists, so refusing `gen_length=10**10` costs nothing."""
+    total = sum(tokens.values())
+    if total <= max_seq_len:
+        return
+    if len(tokens) == 1:
+        (name, n), = tokens.items()
+        raise RequestError(f"the {name} has {n} tokens, more than the model's context of {max_seq_len}")
+    parts = " + ".join(f"{name} {n}" for name, n in tokens.items() if n)
+    raise RequestError(f"{parts} = {total} tokens exceeds the model's context of {max_seq_len}")
+
+
+def check_vocabulary(ids: Sequence[int], vocab_size: int, what: str = "token ids") -> None:
+    """A clear error naming the first few ids outside [0, vocab_size)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"{what} outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def check_affix(affix: Any, mcfg: ModelConfig) -> list[int]:
+    """An affix's ids (given as ids or an `AffixCache`), checked once for every request that shares
+    it: not empty, within the context on its own, in the vocabulary."""
+    ids = affix_token_ids(affix)
+    if not ids:
+        raise RequestError("the affix is empty")
+    check_context(mcfg.max_seq_len, affix=len(ids))
+    check_vocabulary(ids, mcfg.vocab_size, "affix token ids")
+    return ids
+
+
 @dataclasses.dataclass(frozen=True)
 class Request:
     """One generation request. With `affix_position`, the shared affix is placed into it."""
@@ -74,6 +107,12 @@ class Request:
     tail: Sequence[int] = ()  # infix only: the prompt's part after the affix
     affix_position: AffixPosition | None = None
     seed: int = 0
+
+    def lengths(self, affix_len: int) -> dict[str, int]:
+        """Tokens of each given part of its row (prompt, placed affix, prompt tail), counted without
+        building the row: what `check_context` adds the generation length to."""
+        return {"prompt": len(self.prompt), "affix": affix_len if self.affix_position is not None else 0,
+                "prompt_tail": len(self.tail)}
 
     def row(self, affix: Sequence[int], gen_length: int, mask_id: int) -> Row:
         """This request's columns with `affix` placed (ignored without an affix_position)."""
@@ -203,45 +242,42 @@ def row_bucket(n: int) -> int:
 
 
 def check_request(r: Request, gen_length: int, mcfg: ModelConfig, affix: list[int] | None) -> None:
-    """A clear error for a request that cannot run (affix: its ids, already checked)."""
+    """A clear error for a request that cannot run (affix: its ids, already checked by `check_affix`).
+    Lengths are checked by arithmetic before anything else that grows with them: the row is never
+    built here."""
     if not isinstance(r, Request):
         raise RequestError(f"must be a Request, got {type(r).__name__}")
-    token_ids(r.prompt, "prompt")
-    token_ids(r.tail, "tail")
+    if isinstance(gen_length, bool) or not isinstance(gen_length, int) or gen_length <= 0:
+        raise RequestError(f"gen_length must be a positive integer, got {gen_length!r}")
+    prompt, tail = token_ids(r.prompt, "prompt"), token_ids(r.tail, "tail")
     if not _is_id(r.seed) or not 0 <= r.seed <= MAX_SEED:
         raise RequestError(f"seed must be an integer in [0, {MAX_SEED}], got {r.seed!r}")
     if r.affix_position is not None:
         if r.affix_position not in AFFIX_POSITIONS:
             raise RequestError(f"affix_position must be one of {AFFIX_POSITIONS}, got {r.affix_position!r}")
         if affix is None:
-            raise RequestError(f"affix_position {r.affix_position!r} given but no affix")
-        if r.affix_position == "infix" and len(r.tail) == 0:
+            raise RequestError(f"affix_position {r.affix_position!r} given without an affix")
+        if r.affix_position == "infix" and not tail:
             raise RequestError("an infix affix needs a prompt tail after it (prompt_tail)")
-    if r.tail and r.affix_position != "infix":
+    if tail and r.affix_position != "infix":
         raise RequestError(f"a prompt tail goes after an infix affix; this request's affix position is "
                            f"{r.affix_position!r}")
-    if len(r.prompt) == 0:
+    if not prompt:
         raise RequestError("empty prompt")
-    row = r.row(affix or [], gen_length, mcfg.mask_token_id)
-    if row.num_columns > mcfg.max_seq_len:
-        raise RequestError(f"{row.num_columns - gen_length} prompt and affix tokens + {gen_length} generated = "
-                           f"{row.num_columns} exceeds the model's context of {mcfg.max_seq_len}")
-    given = np.concatenate([row.tokens[:row.gen_start], row.tokens[row.gen_start + gen_length:]])
-    bad = given[(given < 0) | (given >= mcfg.vocab_size)].tolist()
-    if bad:
-        raise RequestError(f"token ids outside the vocabulary [0, {mcfg.vocab_size}): {bad[:5]}")
+    check_context(mcfg.max_seq_len, **r.lengths(len(affix or ())), gen_length=gen_length)
+    check_vocabulary(prompt + tail, mcfg.vocab_size)
 
 
-def check_requests(requests: Sequence[Request], gen_length: int, mcfg: ModelConfig, affix: Sequence[int] | None) -> None:
-    """Clear errors for requests that cannot run, before anything is compiled."""
-    affix = token_ids(affix, "the affix") if affix is not None else None
-    if affix is not None and len(affix) == 0:
-        raise RequestError("the affix is empty")
+def check_requests(requests: Sequence[Request], gen_length: int, mcfg: ModelConfig, affix: Any) -> list[int] | None:
+    """Clear errors for requests that cannot run, before anything is built or compiled; an error names
+    the request by its index. Returns the affix's ids (None without one)."""
+    affix = None if affix is None else check_affix(affix, mcfg)
     for i, r in enumerate(requests):
         try:
             check_request(r, gen_length, mcfg, affix)
         except RequestError as e:
             raise RequestError(f"request {i}: {e}") from None
+    return affix
 
 
 def make_batch(

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 from acache_jax.config import InputError
-from acache_jax.layout import bucket, token_ids
+from acache_jax.layout import bucket, check_context, check_vocabulary, token_ids
 from acache_jax.model import ForwardInputs, Model, forward
 
 
@@ -94,12 +94,11 @@ def check_pairs(model: Model, pairs: Sequence[tuple[Sequence[int], Sequence[int]
         prompt, continuation = token_ids(pair[0], f"pair {n} prompt"), token_ids(pair[1], f"pair {n} continuation")
         if not continuation:
             raise InputError(f"pair {n}: the continuation is empty (nothing to score)")
-        if len(prompt) + len(continuation) > cfg.max_seq_len:
-            raise InputError(f"pair {n}: {len(prompt)} prompt + {len(continuation)} continuation tokens exceed the "
-                             f"model's context of {cfg.max_seq_len}")
-        bad = [t for t in (*prompt, *continuation) if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise InputError(f"pair {n}: token ids outside the vocabulary [0, {cfg.vocab_size}): {bad[:5]}")
+        try:
+            check_context(cfg.max_seq_len, prompt=len(prompt), continuation=len(continuation))
+            check_vocabulary([*prompt, *continuation], cfg.vocab_size)
+        except InputError as e:
+            raise InputError(f"pair {n}: {e}") from None
         out.append((prompt, continuation))
     return out
 

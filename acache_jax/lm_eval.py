@@ -56,14 +56,14 @@ import numpy as np
 from acache_jax import chat_layout, compile_cache, likelihood
 from acache_jax.acache import build_affix_cache
 from acache_jax.checkpoint import DTYPES, load
-from acache_jax.config import (FIELD_KINDS, DecodeConfig, DecodeError, InputError, ModelConfig,
-                               read_generation_config)
+from acache_jax.config import (FIELD_KINDS, GENERATION_CONFIG_FILE, DecodeConfig, DecodeError, InputError,
+                               ModelConfig, name_defaults, read_generation_config)
 from acache_jax.decode import generate
 from acache_jax.engine import Engine
 from acache_jax.engine.engine import check_engine_config
 from acache_jax.generate import DEFAULT_MODEL
 from acache_jax.kv import AffixCache
-from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request
+from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_context, check_request
 
 try:
     from lm_eval.api.model import LM
@@ -167,8 +167,9 @@ def settings(model_args: dict[str, Any]) -> Settings:
     own, overrides = parse_model_args(model_args)
     get = own.get
     dtype = None if get("dtype") == "auto" else get("dtype")  # "auto", as HF models take it: as stored
+    batch = DEFAULT_BATCH if get("batch_size") is None else get("batch_size")  # 0 is refused below, not defaulted
     s = Settings(Path(get("pretrained") or DEFAULT_MODEL), dtype, DecodeConfig(), "gen_length" in overrides,
-                 get("engine", False), get("batch_size") or DEFAULT_BATCH, get("mc_num", 128), get("chat", True),
+                 get("engine", False), batch, get("mc_num", 128), get("chat", True),
                  get("seed", 0), get("affix_mode"), get("num_fewshot_affix", 0), get("fewshot_seed"),
                  get("include_path"), get("pool_tokens"), get("compile_cache"))
     for name, value, low in (("batch_size", s.batch_size, 1), ("mc_num", s.mc_num, 1),
@@ -199,15 +200,20 @@ def settings(model_args: dict[str, Any]) -> Settings:
                          "(python -m acache_jax.lm_eval passes its --include_path on)")
     if not s.pretrained.is_dir():
         raise InputError(f"model_args: pretrained={s.pretrained} is not a model directory")
-    defaults, _ = read_generation_config(s.pretrained, ModelConfig.from_file(s.pretrained))
+    mcfg = ModelConfig.from_file(s.pretrained)
+    defaults, _ = read_generation_config(s.pretrained, mcfg)
     try:
         config = defaults.replace(**overrides)
         if s.engine:
             check_engine_config(config)
         if config.selective and config.cfg_scale > 0:
             raise DecodeError("classifier-free guidance is not supported with selective recompute")
-    except DecodeError as e:
-        raise InputError(f"model_args: {e}") from None
+        if s.gen_length_given:  # a prompt needs at least one token of the context
+            check_context(mcfg.max_seq_len, prompt=1, gen_length=config.gen_length)
+    except InputError as e:
+        source = s.pretrained / GENERATION_CONFIG_FILE
+        message = name_defaults(str(e), defaults, source if source.is_file() else None, overrides)
+        raise InputError(f"model_args: {message}") from None
     if config.selective and not s.affix_mode:
         raise InputError(f"model_args: cache={config.cache} reuses a shared affix's cache: set "
                          "affix_mode=prefix|infix|suffix and num_fewshot_affix=N (the few-shot examples are the affix)")
@@ -331,7 +337,13 @@ class ACacheLM(LM):
         else:
             text, special = self._context(context)
             request, affix = Request(self.model.encode(text, chat=False, special_tokens=special), seed=seed), None
-        return _Job(request, self._config_for(max_tokens, where), affix, until, max_tokens)
+        config = self._config_for(max_tokens, where)
+        affix_ids = None if affix is None else self.affix(affix).ids
+        try:  # lengths by arithmetic, before any request of the call is decoded
+            check_request(request, config.gen_length, self.model.config, affix_ids)
+        except InputError as e:
+            raise InputError(f"{where}: {e}") from None
+        return _Job(request, config, affix, until, max_tokens)
 
     def _decode(self, config: DecodeConfig, requests: list[Request], affix: Any, progress: bool) -> list[np.ndarray]:
         if not self.settings.engine:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -21,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from acache_jax.attention import attend_dense, attend_pool
-from acache_jax.config import DecodeConfig, InputError, ModelConfig
+from acache_jax.config import DecodeConfig, DecodeError, InputError, ModelConfig, name_defaults
 from acache_jax.kv import KVPool, PoolAccess
 from acache_jax.sharding import use_mesh
 
@@ -228,6 +230,22 @@ def structure(graphdef: nnx.GraphDef, treedef: Any, config: ModelConfig) -> Stru
     return Structure(graphdef, treedef, config)
 
 
+def check_text(text: Any, what: str = "text") -> str:
+    """`text` if it is a string the tokenizer can take, else an InputError naming `what`. A Python
+    string may hold lone surrogates (a JSON escape such as "\\ud800" without its pair, or the bytes of
+    a command-line argument that are not UTF-8, which Python keeps as U+DC80-U+DCFF): they are not
+    Unicode text, and the tokenizer would fail on them with a TypeError that names nothing."""
+    if not isinstance(text, str):
+        raise InputError(f"{what} must be a string, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{what} is not valid Unicode text: character {e.start} is the lone surrogate "
+                         f"{ascii(text[e.start])[1:-1]} (bytes that are not UTF-8, or a \\uXXXX escape "
+                         "without its pair)") from None
+    return text
+
+
 # End-of-turn tokens of the families' chat templates: generated text ends at the first of them.
 CHAT_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
 
@@ -244,6 +262,7 @@ class Model:
     generation_config: DecodeConfig = DecodeConfig()
     eos_token_ids: tuple[int, ...] = ()  # from generation_config.json; config.json's eos always counts
     mesh: Mesh | None = None  # the (data, model) mesh the weights are split over (acache_jax/sharding.py)
+    generation_config_file: Path | None = None  # where generation_config came from (named in errors)
 
     @classmethod
     def from_module(cls, module: Transformer, tokenizer: Any = None,
@@ -252,8 +271,17 @@ class Model:
         return cls(module.cfg, graphdef, params, tokenizer, generation_config)
 
     def decode_config(self, **overrides: Any) -> DecodeConfig:
-        """The model's generation defaults with some fields changed, e.g. `decode_config(cache="acache")`."""
-        return self.generation_config.replace(**overrides)
+        """The model's generation defaults with some fields changed, e.g. `decode_config(cache="acache")`.
+        An error caused by a default the caller did not change says where that default came from."""
+        try:
+            return self.generation_config.replace(**overrides)
+        except DecodeError as e:
+            raise DecodeError(self.name_defaults(str(e), overrides)) from None
+
+    def name_defaults(self, message: str, given: Iterable[str]) -> str:
+        """`message` with a note naming each generation setting it mentions that is not in `given`:
+        the model's default, from its generation_config.json (`config.name_defaults`)."""
+        return name_defaults(message, self.generation_config, self.generation_config_file, given)
 
     @functools.cached_property
     def stop_token_ids(self) -> frozenset[int]:
@@ -270,8 +298,7 @@ class Model:
         a plain span that joins exactly with others (affixes, prompt tails)."""
         if self.tokenizer is None:
             raise InputError("this model ships no tokenizer: give token ids")
-        if not isinstance(text, str):
-            raise InputError(f"text must be a string, got {type(text).__name__}")
+        check_text(text)
         if chat and special_tokens and getattr(self.tokenizer, "chat_template", None):
             return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                            add_generation_prompt=True, tokenize=True,

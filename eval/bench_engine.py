@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import gc
 import json
 import time
@@ -62,14 +63,45 @@ TIME_MODEL_TFLOPS = 700.0  # sustained bf16 matmul rate assumed by the time mode
 TIME_MODEL_TBPS = 4.0  # HBM read rate assumed by the time model
 
 
-def forward_costs(cfg: ModelConfig, engine: Engine) -> tuple[float, float]:
-    """(FLOPs of every forward the engine ran, the time model's seconds for them)."""
+@dataclasses.dataclass
+class Recorder:
+    """What this benchmark asks of an engine's runner (a `runner.Observer`): each forward's work
+    (tokens, sum over them of the keys each read, logit rows; padding excluded) and, when `timed`,
+    each jitted call's device time. The engine keeps none of it itself (a server runs without one)."""
+
+    timed: bool = False
+    work: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    packed: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (segment kinds, seconds)
+    loop: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (in-block steps, seconds)
+
+    def forward(self, tokens: int, token_keys: int, logit_rows: int) -> None:
+        self.work.append((tokens, token_keys, logit_rows))
+
+    def call(self, kind: str, steps: int, seconds: float) -> None:
+        if kind == "loop":
+            self.loop.append((steps, seconds))
+        else:
+            self.packed.append((kind, seconds))
+
+    def medians(self) -> dict[str, float]:
+        """Median seconds per kind of packed call (`{kind}_median_s`) and per in-block step of the
+        block loop (`decode_step_median_s`, present once a loop ran)."""
+        med = lambda xs: float(np.median(xs)) if xs else 0.0
+        kinds = sorted({kind for kind, _ in self.packed})
+        out = {f"{kind}_median_s": med([s for k, s in self.packed if k == kind]) for kind in kinds}
+        if self.loop:
+            out["decode_step_median_s"] = med([s / n for n, s in self.loop if n])
+        return out
+
+
+def forward_costs(cfg: ModelConfig, work: list[tuple[int, int, int]]) -> tuple[float, float]:
+    """(FLOPs of every forward in `work` (a `Recorder`'s), the time model's seconds for them)."""
     d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
     per_token = cfg.num_layers * 2 * (2 * d * d + 2 * d * kv + 3 * d * cfg.intermediate_size)
     per_key = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim
     weight_bytes = 2 * cfg.num_params
     flops, model_s = 0.0, 0.0
-    for tokens, token_keys, logits in engine.runner.work:
+    for tokens, token_keys, logits in work:
         f = tokens * per_token + token_keys * per_key + 2 * logits * d * cfg.vocab_size
         flops += f
         model_s += max(f / (TIME_MODEL_TFLOPS * 1e12), weight_bytes / (TIME_MODEL_TBPS * 1e12))
@@ -102,23 +134,25 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
     for policy, dcfg in configs.items():
         runs = []
         for _ in range(args.repeats):
-            engine = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch)
+            recorder = Recorder()
+            engine = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch, observer=recorder)
             with collector_pauses() as pauses:
                 results = engine.generate(requests, affix)
-            runs.append((engine, results, sum(pauses)))
+            runs.append((engine, results, sum(pauses), recorder))
         runs.sort(key=lambda r: r[0].stats.seconds)
-        engine, results, gc_s = runs[len(runs) // 2]  # the median run
+        engine, results, gc_s, recorder = runs[len(runs) // 2]  # the median run
         stats = engine.stats.summary()
-        host_shares = [e.stats.host_seconds / e.stats.seconds for e, _, _ in runs]
-        flops, model_s = forward_costs(cfg, engine)
-        profiled = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch, profile=True)
+        host_shares = [e.stats.host_seconds / e.stats.seconds for e, *_ in runs]
+        flops, model_s = forward_costs(cfg, recorder.work)
+        timings = Recorder(timed=True)
+        profiled = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch, observer=timings)
         profiled.generate(requests, affix)
-        prof = profiled.stats.summary()
+        prof = profiled.stats.summary() | timings.medians()
         if args.cprofile:
             print(f"{name} {shots}-shot B{batch} {policy}: host profile of a plain run", flush=True)
             host_profile(lambda: Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch).generate(requests, affix),
                          args.cprofile)
-        probe_s = sum(t for kind, t in profiled.stats.packed if kind == "probe")
+        probe_s = sum(t for kind, t in timings.packed if kind == "probe")
         row[policy] = dict(recompute_ms=1e3 * prof.get("recompute_median_s", 0.0),
                            decode_step_ms=1e3 * prof.get("decode_step_median_s", 0.0),
                            probe_ms=1e3 * probe_s, probe_fraction=probe_s / prof["seconds"],

@@ -276,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         def empty_cache() -> None:  # before the steps named "cold cache"
             shutil.rmtree(cache, ignore_errors=True)
 
-        env = {**os.environ, CACHE_ENV: str(cache), "PYTHONUNBUFFERED": "1"}
+        # The cache is this run's to measure: a cache configured through jax's own variables (which
+        # acache_jax never overrides) would make the "empty cache" steps read entries.
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
+        env.update({CACHE_ENV: str(cache), "PYTHONUNBUFFERED": "1"})
         converted = work / f"{args.family}-converted"
         run = lambda name, cmd: report(Step(name, cmd, env, root, args.log).run(args.timeout))  # noqa: E731
         if "convert" in steps:

@@ -258,7 +258,7 @@ def test_bad_input(model, cache, fixtures_dir):
         generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=1.5, **BASE), affix=cache)
     with pytest.raises(InputError, match="infix affix needs a prompt tail"):
         generate(model, [Request([1, 2], affix_position="infix")], acache, affix=cache)
-    with pytest.raises(InputError, match="affix_position 'prefix' given but no affix"):
+    with pytest.raises(InputError, match="affix_position 'prefix' given without an affix"):
         generate(model, REQUESTS, acache)
     with pytest.raises(InputError, match="cache policy 'acache' needs an affix"):
         generate(model, [Request([1, 2])], acache)

@@ -7,6 +7,8 @@ import json
 import shutil
 import subprocess
 import sys
+import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ import acache_jax
 from acache_jax import AffixCache, DecodeConfig, Engine, InputError, Request
 from acache_jax.decode import generate
 from acache_jax.generate import main
+from tests.cli_process import run_cli
 from tests.hf_checkpoints import llada_config, random_weights, write_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,10 +73,42 @@ def _one_line_error(code, out, err, message):
     (["--cache", "acache"], "cache policy 'acache' needs an affix"),
     (["--engine", "--cache", "prefix"], "the engine runs the cache policies"),
     (["--prompt-ids", "1,2,999"], "token ids outside the vocabulary [0, 128): [999]"),
+    (["--factor", "1.0", "--threshold", "0.5"], "--factor and --threshold are two rules"),
+    (["--anchor-mass", "0.3"], "--anchor-mass sets the anchor budget of cache acache with an affix; this request "
+                               "has no affix"),
+    (["--affix-ids", "5,6", "--anchor-mass", "0.3", "--cache", "dual"], "the cache policy is 'dual'"),
+    (["--affix-ids", ""], "the affix is empty"),
+    (["--affix-ids", "5,6", "--affix-position", "infix", "--prompt-tail", "a\udcff"],
+     "--prompt-tail is not valid Unicode text: character 1 is the lone surrogate \\udcff"),
+    (["--affix-ids", "5,6", "--affix-position", "infix", "--prompt-tail", ""], "--prompt-tail is empty"),
+    (["--prompt", ""], "--prompt is empty"),  # as the API and the server refuse it
+    (["--prompt", "hi", "--affix", "\udcff\udcfe"], "--affix is not valid Unicode text: character 0"),
 ])
 def test_bad_flags(capsys, model_dir, argv, message):
-    argv = ["--model", model_dir, *([] if "--prompt-ids" in argv else ["--prompt-ids", "1,2,3"]), *argv, *FAST]
+    given = "--prompt-ids" in argv or "--prompt" in argv
+    argv = ["--model", model_dir, *([] if given else ["--prompt-ids", "1,2,3"]), *argv, *FAST]
     _one_line_error(*_cli(capsys, argv), message)
+
+
+# The shipped model (a tokenizer: text flags) and the fixture (ids only): each case is refused on one
+# line, before anything that grows with the lengths is built: at main ddbd83e `--gen-length
+# 300000000` took 37 s and 6 GB, and 10**10 ended in a MemoryError.
+SHIPPED = ROOT / "acache_jax" / "models" / "llada-small"
+REFUSED_QUICKLY = [
+    (["--prompt", "hi", "--gen-length", "300000000"], "prompt 3 + gen_length 300000000 = 300000003 tokens exceeds "
+                                                      "the model's context of 512"),
+    (["--prompt", "hi", "--gen-length", "1e10"], "argument --gen-length: must be a positive integer, got 1e10"),
+    (["--prompt", "hi", "--engine", "--gen-length", "10000000000"], "gen_length 10000000000 = 10000000003 tokens"),
+    (["--prompt", b"caf\xe9"], "--prompt is not valid Unicode text: character 3 is the lone surrogate \\udce9"),
+]
+
+
+@pytest.mark.parametrize("argv,message", REFUSED_QUICKLY)
+def test_cli_refuses_before_building_anything(argv, message):
+    code, out, err, seconds, peak = run_cli(["--model", SHIPPED, *argv])
+    _one_line_error(code, out, err, message)
+    # the process's whole life (imports and the model's load included): seconds and a few hundred MB
+    assert seconds < 20 and peak < 2**30, (seconds, peak)
 
 
 @pytest.mark.parametrize("line,message", [
@@ -91,6 +126,14 @@ def test_bad_flags(capsys, model_dir, argv, message):
     ('{"prompt_ids": [1], "anchor_mass": "half"}', ":2: anchor_mass must be a finite number or null, got 'half'"),
     ('{"prompt_ids": [1], "colour": "red"}', ":2: unknown keys ['colour']"),
     ('{"prompt_ids": [1], ', ":2: not valid JSON"),
+    ('{"prompt": "\\ud800"}', ":2: prompt is not valid Unicode text: character 0 is the lone surrogate \\ud800"),
+    ('{"prompt_ids": [1], "affix": "ab\\udfff", "affix_position": "suffix"}', ":2: affix is not valid Unicode text"),
+    ('{"prompt": ""}', ":2: prompt is empty"),
+    ('{"prompt_ids": [1], "gen_length": 10000000000}',
+     ":2: prompt 1 + gen_length 10000000000 = 10000000001 tokens exceeds the model's context of 256"),
+    ('{"prompt_ids": [1], "factor": 1.0, "threshold": null}', ":2: factor and threshold are two rules"),
+    ('{"prompt_ids": [1], "anchor_mass": 0.3}', ":2: anchor_mass sets the anchor budget"),
+    ('{"prompt_ids": [1], "affix_ids": []}', ":2: the affix is empty"),
 ])
 def test_bad_jsonl_lines_name_the_line(capsys, model_dir, tmp_path, line, message):
     path = tmp_path / "in.jsonl"
@@ -102,6 +145,10 @@ def test_bad_input_files(capsys, model_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
     _one_line_error(*_cli(capsys, ["--model", model_dir, "--input", empty]), "holds no requests")
+    latin1 = tmp_path / "latin1.jsonl"
+    latin1.write_bytes(b'{"prompt_ids": [1]}\r\n\n{"prompt": "caf\xe9"}\n')
+    _one_line_error(*_cli(capsys, ["--model", model_dir, "--input", latin1, *FAST]),
+                    f"{latin1}:3: not valid UTF-8 (byte 0xe9 at column 16)")
     _one_line_error(*_cli(capsys, ["--model", model_dir, "--input", tmp_path]), "is a directory; give a JSONL file")
     _one_line_error(*_cli(capsys, ["--model", model_dir, "--input", tmp_path / "nope.jsonl"]), "does not exist")
 
@@ -123,7 +170,20 @@ def test_bad_model_directories(capsys, model_dir, tmp_path):
     _one_line_error(*run(torn), "config.json is not valid JSON")
     bad_gen = _copy(model_dir, tmp_path / "gen")
     (bad_gen / "generation_config.json").write_text(json.dumps({"max_new_tokens": "32"}))
-    _one_line_error(*run(bad_gen), "generation_config.json: gen_length must be an integer, got '32'")
+    _one_line_error(*run(bad_gen), "generation_config.json: max_new_tokens must be an integer, got '32'")
+    (bad_gen / "generation_config.json").write_text(json.dumps({"max_new_tokens": 40, "block_length": 16}))
+    _one_line_error(*run(bad_gen),
+                    "generation_config.json: max_new_tokens (40) must be a multiple of block_length (16)")
+    # a valid default that a flag or the prompt makes wrong: the error says where the default came from
+    source = bad_gen / "generation_config.json"
+    source.write_text(json.dumps({"max_new_tokens": 320, "block_length": 32}))
+    default = f"(gen_length 320 is the model's default, from max_new_tokens in {source})"
+    _one_line_error(*_cli(capsys, ["--model", bad_gen, "--prompt-ids", "1,2"]),
+                    f"prompt 2 + gen_length 320 = 322 tokens exceeds the model's context of 256 {default}")
+    source.write_text(json.dumps({"max_new_tokens": 32, "block_length": 32}))
+    _one_line_error(*_cli(capsys, ["--model", bad_gen, "--prompt-ids", "1,2", "--block-length", "64"]),
+                    "gen_length (32) must be a multiple of block_length (64) (gen_length 32 is the model's default, "
+                    f"from max_new_tokens in {source})")
     (bad_gen / "generation_config.json").write_text(json.dumps({"mask_token_id": 5}))
     _one_line_error(*run(bad_gen), "mask_token_id 5 differs from config.json's 127")
 
@@ -193,7 +253,60 @@ def test_api_misuse(model, model_dir):
         assert message in str(err.value), (message, str(err.value))
 
 
-def test_engine_takes_a_built_affix_cache(model):
+@pytest.fixture(scope="module")
+def shipped():
+    return acache_jax.load(SHIPPED)
+
+
+def test_lengths_are_checked_before_anything_is_built(model):
+    """A generation length far past the context is refused by arithmetic, on every library path:
+    no row, buffer or program of its size is built (here 2**26 masks would be 0.8 GB of rows)."""
+    huge = 2**26
+    cfg = DecodeConfig(gen_length=16, block_length=8)
+    engine = Engine(model, cfg, pool_tokens=1024)
+    message = f"prompt 2 + gen_length {huge} = {huge + 2} tokens exceeds the model's context of 256"
+    tracemalloc.start()
+    start = time.perf_counter()
+    with pytest.raises(InputError) as static:
+        generate(model, [[1, 2]], cfg.replace(gen_length=huge))
+    with pytest.raises(InputError) as added:
+        engine.add(Request([1, 2]), gen_length=huge)
+    with pytest.raises(InputError) as affixed:
+        generate(model, [Request([1, 2], affix_position="prefix")], cfg.replace(gen_length=huge), affix=[5] * 20)
+    seconds, peak = time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert str(static.value) == f"request 0: {message}" and str(added.value) == message
+    assert str(affixed.value).endswith(f"prompt 2 + affix 20 + gen_length {huge} = {huge + 22} tokens exceeds the "
+                                       "model's context of 256")
+    assert seconds < 1 and peak < 16 * 2**20, (seconds, peak)
+
+
+def test_engine_errors_name_the_request(model):
+    """`Engine.add` takes one request: its error names no index; `Engine.generate` names the request's
+    index in the call, and queues none of them when one is bad."""
+    engine = Engine(model, DecodeConfig(gen_length=16, block_length=8), pool_tokens=1024)
+    with pytest.raises(InputError, match="^empty prompt$"):
+        engine.add(Request([]))
+    with pytest.raises(InputError, match="^request 2: token ids outside the vocabulary"):
+        engine.generate([Request([1, 2]), Request([3]), Request([4, 999])])
+    with pytest.raises(InputError, match="^request 1: affix_position 'prefix' given without an affix"):
+        engine.generate([Request([1, 2]), Request([3], affix_position="prefix")])
+    assert engine.run() == []  # nothing of the refused calls was queued
+
+
+def test_text_that_is_not_unicode(shipped):
+    """A lone surrogate (a JSON escape without its pair, or argv bytes that are not UTF-8) is named,
+    not a TypeError from inside the tokenizer."""
+    for text, where in (("a\ud800", 1), ("caf\udce9", 3)):
+        with pytest.raises(InputError, match=f"text is not valid Unicode text: character {where} is the lone"):
+            shipped.encode(text)
+        with pytest.raises(InputError, match="not valid Unicode"):
+            shipped.encode(text, chat=False, special_tokens=False)
+    with pytest.raises(InputError, match="text must be a string, got bytes"):
+        shipped.encode(b"hello")
+
+
+def test_engine_takes_a_built_affix_cache(model, shipped):
     """engine.add(request, AffixCache) decodes as with the affix ids."""
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.25)
     affix_ids = list(range(30, 50))
@@ -203,7 +316,6 @@ def test_engine_takes_a_built_affix_cache(model):
     from_ids = Engine(model, cfg, pool_tokens=1024).generate([request], affix_ids)
     np.testing.assert_array_equal(from_cache[0].tokens, from_ids[0].tokens)
     np.testing.assert_array_equal(from_cache[0].anchors, from_ids[0].anchors)
-    other = acache_jax.load(ROOT / "acache_jax" / "models" / "llada-small")
     with pytest.raises(InputError, match="built with another model"):
-        Engine(other, cfg, pool_tokens=1024).add(request, cache)
+        Engine(shipped, cfg, pool_tokens=1024).add(request, cache)
     assert isinstance(cache, AffixCache)

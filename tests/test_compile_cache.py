@@ -10,10 +10,12 @@ The suite's own cache settings (tests/conftest.py) are removed from their enviro
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -205,3 +207,24 @@ def test_every_command_line_takes_the_setting():
     assert lm_eval.settings({"compile_cache": "/tmp/somewhere"}).compile_cache == "/tmp/somewhere"
     with pytest.raises(lm_eval.InputError, match="compile_cache"):
         lm_eval.settings({"compile_cache": ""})
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stream,compile_seconds,noted", [
+    (_Terminal(), 0.5, True),  # a compile still running after `after` seconds
+    (_Terminal(), 0.0, False),  # a program read back from the cache (or a quick compile)
+    (io.StringIO(), 0.5, False),  # not a terminal: logs and pipes keep to errors and statistics
+])
+def test_a_long_compile_is_noted_on_a_terminal(stream, compile_seconds, noted):
+    """note_long_compiles hears of each program's lowering and of the end of its compile from jax's
+    monitoring events (recorded here as jax records them) and prints its line at most once."""
+    with compile_cache.note_long_compiles(stream, after=0.2):
+        for _ in range(2):
+            jax.monitoring.record_event_duration_secs("/jax/core/compile/jaxpr_to_mlir_module_duration", 0.01)
+            time.sleep(compile_seconds)
+            jax.monitoring.record_event_duration_secs("/jax/core/compile/backend_compile_duration", compile_seconds)
+    assert stream.getvalue().count("acache-jax: compiling a program for this shape") == int(noted), stream.getvalue()

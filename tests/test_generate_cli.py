@@ -1,14 +1,18 @@
 """python -m acache_jax.generate: flags, JSONL batches with per-line overrides, tokenizer and errors."""
 
 import json
+import os
+import pty
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
-from acache_jax.generate import main
+from acache_jax.generate import DECODE_KEYS, MAX_REPORTED, REQUEST_KEYS, main
+from tests.cli_process import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--gen-length", "16", "--block-length", "8"]
@@ -136,3 +140,62 @@ def test_module_entry_point(model_dir):
     assert run.returncode == 0, run.stderr
     assert len(run.stdout.split()) == 16 and "nfe" not in run.stdout  # the answer (ids: no tokenizer) on stdout
     assert run.stderr.startswith("[nfe ")  # the statistics on stderr
+
+
+def test_input_from_pipes_reports_every_bad_line(model_dir, tmp_path):
+    """--input reads a FIFO (what `<(...)` gives) and /dev/stdin; a file's bad lines are all reported
+    (up to MAX_REPORTED, then counted), each with its line, before any work and in seconds."""
+    bad = [b'{"prompt": "caf\xe9"}', b'{"prompt": "\\ud800"}', b'{"prompt_ids": [1], "gen_length": 10000000000}',
+           b'{"prompt": ""}', b'{"prompt_ids": [1], "colour": 1}', b'{"prompt_ids": [1], ']
+    lines = [b'{"prompt_ids": [1, 2]}'] + [bad[i % len(bad)] for i in range(MAX_REPORTED + 4)]
+    data = b"\n".join(lines) + b"\n"
+    fifo = tmp_path / "requests.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(data))
+    writer.start()
+    for name, argv, stdin in ((fifo, ["--input", fifo], b""), ("/dev/stdin", ["--input", "/dev/stdin"], data)):
+        code, out, err, seconds, peak = run_cli(["--model", model_dir, *argv, *FAST], stdin=stdin)
+        reported = err.splitlines()
+        known = sorted([*REQUEST_KEYS, *DECODE_KEYS])
+        assert code == 2 and out == "" and "Traceback" not in err, err
+        assert reported[:6] == [f"error: {name}:2: not valid UTF-8 (byte 0xe9 at column 16)",
+                                f"error: {name}:3: prompt is not valid Unicode text: character 0 is the lone "
+                                "surrogate \\ud800 (bytes that are not UTF-8, or a \\uXXXX escape without its pair)",
+                                f"error: {name}:4: prompt 1 + gen_length 10000000000 = 10000000001 tokens exceeds "
+                                "the model's context of 256",
+                                f"error: {name}:5: prompt is empty",
+                                f"error: {name}:6: unknown keys ['colour']; known: {known}",
+                                f"error: {name}:7: not valid JSON (Expecting property name enclosed in double quotes: "
+                                "line 1 column 21 (char 20))"]
+        assert len(reported) == MAX_REPORTED + 1 and reported[-1] == "error: and 4 more bad lines", err
+        assert seconds < 20 and peak < 2**30, (seconds, peak)
+    writer.join()
+
+
+def test_stdin_and_a_terminal_hears_of_compiles(tmp_path):
+    """`--input -` reads the requests from standard input; a stderr that is a terminal gets one line
+    while a program compiles (the answers on stdout are as ever). Runs without any compilation
+    cache, on the shipped model, whose decode program compiles for over a second."""
+    lines = [{"prompt": "Story: John went to the hallway. Question: Where is John? Answer with one location:"},
+             {"prompt": "Story: Mary went to the garden. Question: Where is Mary? Answer with one location:"}]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.pop("XLA_FLAGS", None)  # the compiler's default optimisation: the compile takes seconds
+    terminal, stderr = pty.openpty()
+    code, out, _, _, _ = run_cli(["--input", "-", "--json", "--compile-cache", "off"],
+                                 stdin="".join(json.dumps(x) + "\n" for x in lines).encode(), stderr=stderr, env=env)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(terminal, 4096)
+        except OSError:  # the child's end is closed: everything is read
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(terminal)
+    err = err.decode().replace("\r\n", "\n")
+    assert code == 0, err
+    assert [json.loads(x)["text"] for x in out.splitlines()] == ["hallway", "garden"]
+    note = ("acache-jax: compiling a program for this shape (the compilation cache is off, so every run compiles "
+            "it)...")
+    assert err.strip() == note  # once, and nothing else: with --json the statistics are in the JSON

@@ -271,6 +271,8 @@ def test_the_estimate_is_stratified_seeded_and_independent_of_batching(model):
     ({"affix_mode": "prefix", "num_fewshot_affix": 1}, "give include_path"),
     ({"engine": True, "cache": "prefix"}, "engine runs the cache policies"),
     ({"mc_num": 10, "batch_size": 4}, "multiple of batch_size"),
+    ({"batch_size": 0}, r"batch_size must be an integer in \[1, "),  # not lm-eval's default in its place
+    ({"gen_length": 300000000}, r"prompt 1 \+ gen_length 300000000 = 300000001 tokens exceeds the model's context"),
     ({"pretrained": "/no/such/model"}, "not a model directory"),
 ])
 def test_bad_model_args_fail_before_any_work(args, message):
@@ -287,6 +289,11 @@ def test_bad_model_args_end_the_command_with_one_line(data):
 
 def test_what_these_models_do_not_define(manager):
     lm = ACacheLM()
+    # a task's max_gen_toks past the context: refused by arithmetic, naming the document, before any decoding
+    huge = Instance("generate_until", {}, ("Question: What is 7 + 5? Answer:", {"max_gen_toks": 10**9}), 0,
+                    ("acache_arithmetic", 3, 1))
+    with pytest.raises(InputError, match=r"^document 3 of 'acache_arithmetic': prompt \d+ \+ gen_length 1000000000 = "):
+        lm.generate_until([huge])
     with pytest.raises(InputError, match="not defined for masked diffusion models"):
         lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, ("text",), 0)])
     with pytest.raises(InputError, match="without --apply_chat_template"):

@@ -22,12 +22,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from acache_jax.acache import AffixCache, check_affix_cache
-from acache_jax.config import DecodeConfig, DecodeError, resolve_decode_config
+from acache_jax.config import DecodeConfig, DecodeError, InputError, resolve_decode_config
 from acache_jax.engine.block_manager import BlockManager
-from acache_jax.engine.runner import Runner
+from acache_jax.engine.runner import Observer, Runner
 from acache_jax.engine.scheduler import Scheduler
 from acache_jax.engine.sequence import SequenceState
-from acache_jax.layout import Request, RequestError, affix_token_ids, check_requests
+from acache_jax.layout import Request, RequestError, check_affix, check_request
 from acache_jax.model import Model
 from acache_jax.sharding import use_mesh
 
@@ -57,8 +57,6 @@ class EngineStats:
     padded_tokens: int = 0  # tokens the forwards computed, padding included
     seconds: float = 0.0
     device_seconds: float = 0.0  # of `seconds`, inside the jitted calls and the fetch of their results
-    packed: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # profile: (segments, seconds)
-    loop: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # profile: (steps, seconds)
 
     @property
     def host_seconds(self) -> float:
@@ -66,16 +64,11 @@ class EngineStats:
         return self.seconds - self.device_seconds
 
     def summary(self) -> dict:
-        med = lambda xs: float(np.median(xs)) if xs else 0.0
-        kinds = {kind for kind, _ in self.packed}
-        per_kind = {f"{kind}_median_s": med([s for k, s in self.packed if k == kind]) for kind in sorted(kinds)}
-        loop_step = med([s / n for n, s in self.loop if n])
         return dict(iterations=self.iterations, affix_fills=self.affix_fills, peak_blocks=self.peak_blocks,
                     peak_kv_bytes=self.peak_kv_bytes, generated_tokens=self.generated_tokens,
                     forward_tokens=self.forward_tokens, padded_tokens=self.padded_tokens, seconds=self.seconds,
                     host_seconds=self.host_seconds,
-                    tokens_per_s=self.generated_tokens / self.seconds if self.seconds else 0.0,
-                    **per_kind, **({"decode_step_median_s": loop_step} if self.loop else {}))
+                    tokens_per_s=self.generated_tokens / self.seconds if self.seconds else 0.0)
 
 
 def check_engine_config(config: DecodeConfig) -> None:
@@ -91,8 +84,9 @@ def check_engine_config(config: DecodeConfig) -> None:
 class Engine:
     """Continuous-batching engine over a paged KV pool (see the module docstring).
 
-    profile: wait for the device after each jitted call and record its time (stats.packed,
-    stats.loop); slower, for a time breakdown only.
+    observer: benchmark bookkeeping (`runner.Observer`: each forward's work, and when it asks to be
+    timed, each jitted call's device time); None, the default and a server's setting, keeps
+    nothing per forward.
     fixed_shapes: run every step on programs that do not depend on the traffic (read widths for the
     model's whole context, token axes four per octave), so that `warm_up` can compile them all
     beforehand, as a server wants; otherwise shapes follow the requests (less padding, programs
@@ -100,7 +94,8 @@ class Engine:
     """
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
-                 block_size: int = 16, max_batch: int = 16, profile: bool = False, fixed_shapes: bool = False):
+                 block_size: int = 16, max_batch: int = 16, observer: Observer | None = None,
+                 fixed_shapes: bool = False):
         config = resolve_decode_config(config, model.generation_config)
         for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -112,7 +107,7 @@ class Engine:
         num_blocks = -(-pool_tokens // block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_batch)
-        self.runner = Runner(model, config, num_blocks * block_size, max_batch, profile, fixed_shapes)
+        self.runner = Runner(model, config, num_blocks * block_size, max_batch, observer, fixed_shapes)
         self.stats = EngineStats()
         self._affixes: dict[tuple[int, ...], list[int] | AffixCache] = {}  # of queued and running requests
         self._affix_users: dict[tuple[int, ...], int] = {}  # queued and running requests per affix
@@ -130,16 +125,29 @@ class Engine:
         decodes as `generate` would with `request_config(gen_length)`: the same steps per block.
         Under `acache` / `direct`, a request without an affix shares nothing: it owns and recomputes
         all its columns, exactly as under `dual`, so one engine serves requests with and without one.
+        A request that cannot run raises `InputError` naming the problem, and nothing is queued.
         """
+        return self._queue(request, affix, *self._check(request, affix, gen_length))
+
+    def _check(self, request: Request, affix: Sequence[int] | AffixCache | None, gen_length: int | None
+               ) -> tuple[list[int] | None, int]:
+        """(affix ids, gen length) of a request that can run; lengths are checked by arithmetic
+        before anything is built or reserved."""
         cfg, mcfg = self.config, self.model.config
         gen_length = cfg.gen_length if gen_length is None else gen_length
-        self.request_config(gen_length)  # checks it
         if isinstance(affix, AffixCache):
             check_affix_cache(self.model, affix)
-        affix_ids = None if affix is None else affix_token_ids(affix)
+        affix_ids = None if affix is None else check_affix(affix, mcfg)
         if affix_ids is not None and request.affix_position is None:
             raise RequestError("an affix was given but the request has no affix_position (prefix / infix / suffix)")
-        check_requests([request], gen_length, mcfg, affix_ids)
+        check_request(request, gen_length, mcfg, affix_ids)
+        self.request_config(gen_length)  # a multiple of the block length
+        return affix_ids, gen_length
+
+    def _queue(self, request: Request, affix: Sequence[int] | AffixCache | None, affix_ids: list[int] | None,
+               gen_length: int) -> int:
+        """Queue a checked request (`_check`'s results); returns its id."""
+        cfg, mcfg = self.config, self.model.config
         seq = SequenceState.from_request(self._next_id, request, affix_ids,
                                          gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)
         self.scheduler.add(seq, cfg.anchors(seq.affix_len), cfg.min_anchors(seq.affix_len))
@@ -203,7 +211,13 @@ class Engine:
         Requests queued earlier with `add` keep running alongside; those that finish meanwhile are
         held for the next `run()`, which hands them out.
         """
-        ids = [self.add(r, affix) for r in requests]
+        checked = []
+        for i, r in enumerate(requests):  # every request checked before any is queued
+            try:
+                checked.append(self._check(r, affix, None))
+            except InputError as e:
+                raise type(e)(f"request {i}: {e}") from None
+        ids = [self._queue(r, affix, *c) for r, c in zip(requests, checked)]
         wanted, got = set(ids), {}
         while len(got) < len(wanted):
             for res in self.step():
@@ -260,7 +274,6 @@ class Engine:
         stats.iterations += 1
         stats.forward_tokens, stats.padded_tokens = runner.forward_tokens, runner.padded_tokens
         stats.device_seconds = runner.device_seconds
-        stats.packed, stats.loop = runner.timings.packed, runner.timings.loop
         stats.seconds += time.perf_counter() - start
         return results
 

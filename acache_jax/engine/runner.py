@@ -23,7 +23,7 @@ import functools
 import itertools
 import math
 import time
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -241,26 +241,36 @@ def _rows(values: list[np.ndarray], width: int, count: int, fill: int) -> np.nda
     return out
 
 
-@dataclasses.dataclass
-class Timings:
-    """Device time per kind of call (recorded only when the runner synchronises each call)."""
+class Observer(Protocol):
+    """Benchmark bookkeeping (eval/bench_engine.py installs one; a server none): the runner reports
+    each forward's work to it and, when it asks to be `timed`, each jitted call's device time. The
+    runner keeps nothing per forward itself, so that a long-running server's memory stays flat and
+    its steps skip the work figures' host arithmetic."""
 
-    packed: list[tuple[str, float]] = dataclasses.field(default_factory=list)  # (what it held, seconds)
-    loop: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (steps, seconds)
+    timed: bool  # wait for the device after each jitted call to time it (slower: for a breakdown only)
+
+    def forward(self, tokens: int, token_keys: int, logit_rows: int) -> None:
+        """One forward, padding excluded: the tokens it computed, the sum over them of the keys
+        each read, and the rows it computed logits for."""
+
+    def call(self, kind: str, steps: int, seconds: float) -> None:
+        """(timed only) One jitted call's device time. kind: the packed step's segment kinds joined
+        by "+" ("probe+recompute+decode"), "probe" (the hkvd selectors' own forward) or "loop" (the
+        block loop, which ran `steps` in-block steps; 1 for the others)."""
 
 
 class Runner:
     """Owns the pool; turns plans into device inputs and runs them (see the module docstring)."""
 
-    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, profile: bool = False,
-                 fixed_shapes: bool = False):
+    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int,
+                 observer: Observer | None = None, fixed_shapes: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
         self.program_config = config.program_key()  # the jitted steps' static config
         self.structure, self.params = model.flat
         self.pool = KVPool.zeros(model.config, num_slots, model.dtype, model.mesh)
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
-        self.profile = profile
+        self.observer = observer
         # Fixed shapes (a server): read widths for the model's whole context and token axes from
         # FIXED_AXIS, so the programs do not depend on the traffic and `warm_up` can compile them all.
         self.fixed_shapes = fixed_shapes
@@ -268,15 +278,12 @@ class Runner:
         # per read set (private, shared): wide enough for every request queued so far
         self.read_widths = [context, context if config.selective else 0] if fixed_shapes else [0, 0]
         self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
-        self.timings = Timings()
         self.forward_tokens = 0  # tokens the forwards computed, padding excluded
         self.padded_tokens = 0  # tokens the forwards computed, padding included
         # time inside the jitted calls and the result fetch: the rest of a step is host work the device
         # waits for (on a GPU the block loop's call returns only when its loop ends: XLA drives a
         # while loop's condition from the host)
         self.device_seconds = 0.0
-        # per forward: (tokens, sum over tokens of the keys each reads, logit rows), padding excluded
-        self.work: list[tuple[int, int, int]] = []
 
     def fill_affix(self, affix: AffixCache | list[int], slots: np.ndarray) -> None:
         """Store an affix in its shared slots: a built cache as it is, ids computed here. The jitted
@@ -383,7 +390,8 @@ class Runner:
         if seqs:
             self.forward_tokens += m_real
             self.padded_tokens += m
-            self.work.append((m_real, int((lengths * keys).sum()), bl * (len(seqs) - len(plan.probe))))
+            if self.observer is not None:
+                self.observer.forward(m_real, int((lengths * keys).sum()), bl * (len(seqs) - len(plan.probe)))
         for seq, n in zip(seqs, lengths):
             seq.forward_tokens += int(n)
         return PackedStep(tokens, positions, write, segment, tile_rows, tile_seg, reads, logit_index, commits,
@@ -455,7 +463,8 @@ class Runner:
             seq.forward_tokens += int(n)
         self.forward_tokens += int(lengths.sum())
         self.padded_tokens += n_rows * width
-        self.work.append((int(lengths.sum()), int((lengths ** 2).sum()), 0))
+        if self.observer is not None:
+            self.observer.forward(int(lengths.sum()), int((lengths ** 2).sum()), 0)
         inputs = jax.device_put((tokens, positions, valid, affix_index, shared, affix_valid))
         return deviation_ranking(self.structure, self.program_config, self.params, self.pool, *inputs)
 
@@ -467,13 +476,14 @@ class Runner:
     def run(self, plan: Plan) -> StepOutput:
         """Run one iteration of the plan and return what the host must know."""
         cfg = self.program_config
+        timed = self.observer is not None and self.observer.timed
         probed, ranking = len(plan.probe), None
         if plan.probe and cfg.selector in DEVIATION_SELECTORS:  # ranked by their own call, not the probe
             start = time.perf_counter()
             ranking = self._deviation_ranking(plan.probe)
-            if self.profile:
+            if timed:
                 jax.block_until_ready(ranking)
-                self.timings.packed.append(("probe", time.perf_counter() - start))
+                self.observer.call("probe", 1, time.perf_counter() - start)
             plan = dataclasses.replace(plan, probe=[])
             if plan.empty:
                 called = time.perf_counter()
@@ -492,11 +502,11 @@ class Runner:
         self.pool, after, probe_ranking = packed_step(self.structure, cfg, step_packing, self.params, self.pool,
                                                       step_buffer)
         ranking = probe_ranking if ranking is None else ranking
-        if self.profile:
+        if timed:
             jax.block_until_ready(after)
             kinds = "+".join(k for k, v in (("probe", plan.probe), ("recompute", plan.recompute),
                                             ("decode", plan.decode)) if v)
-            self.timings.packed.append((kinds, time.perf_counter() - start))
+            self.observer.call(kinds, 1, time.perf_counter() - start)
             start = time.perf_counter()
         rows, count = None, 0
         if plan.loop:
@@ -504,8 +514,8 @@ class Runner:
                                                 after)
         rows, count, ranking, after = jax.device_get((rows, count, ranking, after))
         self.device_seconds += time.perf_counter() - called
-        if self.profile and plan.loop:
-            self.timings.loop.append((int(count), time.perf_counter() - start))
+        if timed and plan.loop:
+            self.observer.call("loop", int(count), time.perf_counter() - start)
         loop = plan.loop
         ranking = None if ranking is None else _first(ranking, probed)
         if not loop:
@@ -517,10 +527,12 @@ class Runner:
             seq.forward_tokens += int(n) * cfg.block_length
         self.forward_tokens += int((nfe - before_loop).sum()) * cfg.block_length
         self.padded_tokens += int(count) * row_bucket(len(loop)) * cfg.block_length
-        keys = keys[first:first + len(loop)]
-        for i in range(int(count)):  # the loop runs while every row still has masks: all rows compute
-            rows_left = int(((nfe - before_loop) > i).sum())
-            self.work.append((rows_left * cfg.block_length, int(keys[(nfe - before_loop) > i].sum()) * cfg.block_length,
-                              rows_left * cfg.block_length))
+        if self.observer is not None:
+            keys = keys[first:first + len(loop)]
+            for i in range(int(count)):  # the loop runs while every row still has masks: all rows compute
+                rows_left = int(((nfe - before_loop) > i).sum())
+                self.observer.forward(rows_left * cfg.block_length,
+                                      int(keys[(nfe - before_loop) > i].sum()) * cfg.block_length,
+                                      rows_left * cfg.block_length)
         return StepOutput(np.asarray(rows.block)[:len(loop)], nfe - np.asarray([s.nfe for s in loop]),
                           np.asarray(rows.step)[:len(loop)] - np.asarray([s.step for s in loop]), ranking)
