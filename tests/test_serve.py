@@ -41,12 +41,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
+    """The server as a subprocess on a free port of 127.0.0.1 with these flags, once /health answers:
+    (the process, its stderr a text pipe; its base URL)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "acache_jax.serve", "--port", str(port), "--max-batch", "8",
-                             "--max-queue", "16"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "acache_jax.serve", "--port", str(port), *flags], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -57,6 +57,12 @@ def server():
             pass
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else ""
         time.sleep(0.3)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = start_server("--max-batch", "8", "--max-queue", "16")
     yield proc, url
     if proc.poll() is None:
         proc.kill()

@@ -3,14 +3,17 @@
 
 Events from the engine thread reach a request's handler through an asyncio queue fed with
 `call_soon_threadsafe`. A client that goes away (a closed stream, or a disconnect while a
-non-streaming request waits) cancels its request, which frees its KV slots at once.
+non-streaming request waits) cancels its request, which frees its KV slots at once. In front of
+the routes, `limits.Guard` reads bodies within the HTTP limits, answers what a handler raises and
+counts every response; at the shutdown timeout `Lifecycle.cut_running` answers every request
+still waiting 503 (a stream: an error event, then `[DONE]`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -20,14 +23,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from acache_jax.config import DecodeConfig
 from acache_jax.model import Model
 from acache_jax.serve import protocol
+from acache_jax.serve.limits import Guard, Lifecycle, Limits
 from acache_jax.serve.protocol import ApiError
 from acache_jax.serve.worker import Worker
 
 DISCONNECT_POLL_S = 0.05  # how often a waiting request checks that its client is still there
 
 
+ROUTES = {"/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions"}
+
+
 def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, events: asyncio.Queue) -> Callable[[tuple], None]:
+    """The engine thread's way to a handler's queue. Once the server's loop has closed (the engine
+    thread stops after uvicorn) nobody waits for the event: it is dropped instead of raising in the
+    engine thread, which still has to free every slot and say so."""
+
+    def emit(event: tuple) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop is closed
+            pass
+
+    return emit
 
 
 def metrics_text(snapshot: dict[str, float], http: dict[tuple[str, int], int]) -> str:
@@ -37,32 +58,27 @@ def metrics_text(snapshot: dict[str, float], http: dict[tuple[str, int], int]) -
         if name == "time":
             continue
         kind = "counter" if name.endswith("_total") else "gauge"
-        lines += [f"# TYPE acache_{name} {kind}", f"acache_{name} {value:g}"]
+        # every digit: `:g` kept six, so a counter past a million (tokens, bytes) stopped moving
+        lines += [f"# TYPE acache_{name} {kind}", f"acache_{name} {int(value) if value.is_integer() else value!r}"]
     lines.append("# TYPE acache_http_responses_total counter")
     lines += [f'acache_http_responses_total{{route="{route}",status="{status}"}} {n}'
               for (route, status), n in sorted(http.items())]
     return "\n".join(lines) + "\n"
 
 
-def create_app(model: Model, base: DecodeConfig, worker: Worker, served_name: str) -> FastAPI:
-    """The app; the caller owns the worker (and stops it after the server has drained)."""
+def create_app(model: Model, base: DecodeConfig, worker: Worker, served_name: str, limits: Limits | None = None,
+               lifecycle: Lifecycle | None = None) -> FastAPI:
+    """The app; the caller owns the worker (and stops it after the server has drained) and, to stop
+    gracefully, the lifecycle (`limits.graceful_server`)."""
     app = FastAPI(title="acache-jax", docs_url=None, redoc_url=None)
     http: dict[tuple[str, int], int] = {}
-
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        key = (request.url.path if request.url.path in app.state.routes else "other", response.status_code)
-        http[key] = http.get(key, 0) + 1
-        return response
+    limits, lifecycle = limits or Limits(), lifecycle or Lifecycle()
+    app.add_middleware(Guard, limits=limits, lifecycle=lifecycle, routes=ROUTES, counts=http)
+    app.state.lifecycle = lifecycle
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         return _error(ApiError(exc.status_code, str(exc.detail)))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception):
-        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health():
@@ -85,13 +101,17 @@ def create_app(model: Model, base: DecodeConfig, worker: Worker, served_name: st
             raw = await request.body()
             try:
                 body = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            job = await run_in_threadpool(protocol.parse, body, model, base, served_name, chat)
-            loop, events = asyncio.get_running_loop(), asyncio.Queue()
-            worker.submit(job, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            except (ValueError, RecursionError) as e:  # ValueError: bad JSON, bad UTF-8, a 5000-digit number
+                why = "it nests too deeply" if isinstance(e, RecursionError) else str(e)
+                raise ApiError(400, f"the request body is not valid JSON: {why}") from None
+            job = await run_in_threadpool(protocol.parse, body, model, base, served_name, chat, limits.max_model_len,
+                                          limits.max_prompt_tokens)
+            events: asyncio.Queue = asyncio.Queue()
+            worker.submit(job, _deliver(asyncio.get_running_loop(), events))
         except ApiError as e:
             return _error(e)
+        lifecycle.track(job.id, lambda: events.put_nowait(("cut", ApiError(
+            503, "the server is shutting down and this request did not finish in time", code="shutting_down"))))
         if job.stream:
             return StreamingResponse(_stream(request, job, events), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -114,13 +134,14 @@ def create_app(model: Model, base: DecodeConfig, worker: Worker, served_name: st
                 if event is None:
                     return Response(status_code=499)
                 kind, value = event
-                if kind == "error":
-                    done = True
+                if kind in ("error", "cut"):  # cut: the engine still holds it, and is told below
+                    done = kind == "error"
                     return _error(value)
                 if kind == "done":
                     done = True
                     return JSONResponse(protocol.completion(job, value))
         finally:
+            lifecycle.untrack(job.id)
             if not done:
                 worker.cancel(job.id)
 
@@ -140,13 +161,14 @@ def create_app(model: Model, base: DecodeConfig, worker: Worker, served_name: st
                     done = True
                     yield sse(protocol.chunk(job, None, value.finish_reason, answer=value))
                     break
-                else:
-                    done = True
+                else:  # an error, or cut at shutdown (the engine still holds it then, and is told below)
+                    done = kind == "error"
                     yield sse(value.body())
                     break
             yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away (or the server is stopping)
+            lifecycle.untrack(job.id)
+            if not done:  # the client went away, or the server is stopping
                 worker.cancel(job.id)
 
     @app.post("/v1/completions")
@@ -157,6 +179,5 @@ def create_app(model: Model, base: DecodeConfig, worker: Worker, served_name: st
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
-    app.state.routes = {"/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions"}
     return app
 

@@ -3,7 +3,9 @@
 Decoding settings start from the model's generation_config.json, then these flags, then each
 request's knobs. The server defaults to ACache (`--cache acache`) with early stop, and discovers
 shared spans unless `--no-discovery`. SIGTERM or Ctrl-C: no new requests are accepted, running ones
-get `--shutdown-timeout` seconds to finish, the rest are cancelled; every KV slot is freed.
+get `--shutdown-timeout` seconds to finish, the rest are answered 503 (a stream: an error event and
+`[DONE]`); every KV slot is freed. Exit status: 0 when every request finished, 3 when the shutdown
+cut some, 1 when the server could not start or its engine thread did not stop, 2 for a bad flag.
 """
 
 from __future__ import annotations
@@ -12,18 +14,38 @@ import argparse
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from acache_jax import compile_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ATTENTION_BACKENDS, InputError
 from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
 from acache_jax.generate import DEFAULT_MODEL, _add_compile_cache, _Parser, _positive, _threshold
+from acache_jax.serve.limits import Lifecycle, Limits, graceful_server, header_timeout_protocol
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from acache_jax.serve.worker import Worker
+
+EXIT_CUT = 3  # the shutdown timeout cut running requests (each was answered 503)
 
 
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (a limit of 0 or inf would be no limit, or no service)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
 
 
@@ -55,17 +77,48 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-tokens", type=_non_negative, default=0,
                    help="compile every program of steps up to this many tokens at start (on a GPU: about "
                         "max batch x prompt + answer tokens; 0: compile as requests first need them)")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="seconds running requests get at SIGTERM")
+    p.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
+                   help="seconds running requests get at SIGTERM; those still running then get a 503")
+    limits = Limits()
+    p.add_argument("--max-body-bytes", type=_positive, default=limits.max_body_bytes,
+                   help="largest request body; a larger one gets 413 (default: %(default)s)")
+    p.add_argument("--header-timeout", type=_seconds, default=limits.header_timeout,
+                   help="seconds a request's headers may take from its first byte; then the connection is "
+                        "dropped (default: %(default)s)")
+    p.add_argument("--body-timeout", type=_seconds, default=limits.body_timeout,
+                   help="seconds a request's body may take after its headers; then 408 and the connection is "
+                        "closed (default: %(default)s)")
+    p.add_argument("--max-header-bytes", type=_positive, default=limits.max_header_bytes,
+                   help="largest request head (request line and headers; h11, the HTTP parser installed by "
+                        "default); larger: 400 (default: %(default)s)")
+    p.add_argument("--keep-alive-timeout", type=_positive, default=limits.keep_alive_timeout,
+                   help="seconds an idle keep-alive connection is kept (default: %(default)s)")
+    p.add_argument("--max-model-len", type=_positive, help="most prompt + generated tokens of a request (default and "
+                                                           "at most: the model's context)")
+    p.add_argument("--max-prompt-tokens", type=_positive,
+                   help="most prompt tokens (affix and tail included; default: what the context leaves)")
     _add_compile_cache(p)
     return p
+
+
+def _check_lengths(args: argparse.Namespace, context: int, gen_length: int) -> None:
+    """--max-model-len within the model's context, and room beside the default generation length for
+    a prompt (else every request without max_tokens would be refused)."""
+    if args.max_model_len is not None and args.max_model_len > context:
+        raise InputError(f"--max-model-len {args.max_model_len} exceeds the model's context of {context} tokens")
+    if gen_length >= (args.max_model_len or context):
+        raise InputError(f"the default generation length {gen_length} (--gen-length, else the model's) leaves no room "
+                         f"for a prompt in {args.max_model_len or context} tokens")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         import uvicorn
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         from acache_jax.serve.app import create_app
+        from acache_jax.serve.protocol import engine_config
         from acache_jax.serve.worker import Settings, Worker
     except ImportError as e:
         print(f"error: the server needs the serve extra (pip install 'acache-jax[serve]'): {e}", file=sys.stderr)
@@ -77,10 +130,12 @@ def main(argv: list[str] | None = None) -> int:
                   if hasattr(args, k)}
         base = model.decode_config(**fields, cache=args.cache, early_stop=args.early_stop, attn_backend=args.backend)
         check_engine_config(base)
+        _check_lengths(args, model.config.max_seq_len, base.gen_length)
         settings = Settings(max_batch=args.max_batch, pool_tokens=args.pool_tokens, max_engines=args.max_engines,
                             max_queue=args.max_queue, discovery=args.discovery, min_count=args.affix_min_count,
                             min_tokens=args.affix_min_tokens, affix_budget_bytes=args.affix_memory_mb << 20,
-                            finish_early=args.early_stop, warmup_tokens=args.warmup_tokens)
+                            finish_early=args.early_stop, warmup_tokens=args.warmup_tokens,
+                            default_engine=engine_config(base))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -88,19 +143,41 @@ def main(argv: list[str] | None = None) -> int:
     worker = Worker(model, settings)
     if settings.warmup_tokens:
         worker.warm_up(base)
-    app = create_app(model, base, worker, name)
+    limits = Limits(args.max_body_bytes, args.header_timeout, args.body_timeout, args.max_header_bytes,
+                    args.keep_alive_timeout, args.max_model_len, args.max_prompt_tokens)
+    lifecycle = Lifecycle()
+    app = create_app(model, base, worker, name, limits, lifecycle)
+    # uvicorn's own last resort at shutdown (cancelling handlers) comes only well after the app has
+    # answered every request still running at --shutdown-timeout (graceful_server)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    server = uvicorn.Server(config)
+                            http=header_timeout_protocol(AutoHTTPProtocol, limits.header_timeout),
+                            h11_max_incomplete_event_size=limits.max_header_bytes,
+                            timeout_keep_alive=limits.keep_alive_timeout,
+                            timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = graceful_server(config, lifecycle, args.shutdown_timeout)
     print(f"acache_jax.serve: {name} on http://{args.host}:{args.port} (cache {base.cache}, discovery "
           f"{'on' if args.discovery else 'off'})", file=sys.stderr, flush=True)
     # uvicorn re-raises the signal that stopped it once it has drained; SIGTERM has then done its job
     signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        server.run()  # returns after SIGTERM / Ctrl-C, once open requests finished or the timeout passed
+        server.run()  # returns after SIGTERM / Ctrl-C, once open requests finished or were answered 503
     except KeyboardInterrupt:
         pass
     finally:
         worker.stop()  # cancels what is left and frees every slot
-    return 0 if server.started else 1
+    return _exit_status(server, worker, lifecycle)
 
+
+def _exit_status(server: uvicorn.Server, worker: Worker, lifecycle: Lifecycle) -> int:
+    """0: served and stopped with every request finished; EXIT_CUT: the shutdown timeout cut some
+    (said on stderr); 1: never started, or the engine thread did not stop."""
+    if not server.started:
+        return 1
+    if worker.alive:
+        print("acache_jax.serve: the engine thread did not stop in time", file=sys.stderr, flush=True)
+        return 1
+    if lifecycle.cut:
+        print(f"acache_jax.serve: {lifecycle.cut} request(s) still running at --shutdown-timeout were "
+              "answered 503", file=sys.stderr, flush=True)
+        return EXIT_CUT
+    return 0

@@ -1,30 +1,49 @@
 """The OpenAI request and response shapes: a checked request body becomes a `Job`, and results become
 completion objects, stream chunks and error objects.
 
-Every field is type-checked (a string is never a number, a number never a boolean); fields this
-server does not know are ignored, as OpenAI clients send many. Texts are cut into pieces and each
-piece is tokenized alone (`acache_jax.affix_index`), so that a span of whole pieces has the same
-ids wherever it appears and can be found again by discovery.
+Every field is type-checked (a string is never a number, a number never a boolean). A field this
+server does not know is refused with a 400 that names it, so a misspelt knob is never silently
+ignored; OpenAI's fields that have no effect here are taken at their neutral values (`NEUTRAL`).
+Every string in the body must be Unicode text (a lone surrogate, "\\ud800" in JSON, is a 400 naming
+its field). Lengths are checked by arithmetic before anything grows with them: `max_tokens` against
+the model's context before tokenizing, and the prompt while it is tokenized, which stops at the first
+piece past what the context leaves. Texts are cut into pieces and each piece is tokenized alone
+(`acache_jax.affix_index`), so that a span of whole pieces has the same ids wherever it appears and
+can be found again by discovery.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 import uuid
 from typing import Any
 
-from acache_jax.affix_index import encode_pieces
+from jinja2 import TemplateError
+
+from acache_jax.affix_index import split_text
 from acache_jax.config import DecodeConfig, InputError
 from acache_jax.engine.engine import check_engine_config
 from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_request
 from acache_jax.model import Model
 
-# Request fields that set decoding knobs (DecodeConfig fields of the same name).
-KNOBS = {"block_length": "int", "threshold": "opt number", "cache": "str", "anchor_ratio": "number",
+# Request fields that set decoding knobs (DecodeConfig fields of the same name): those the engine
+# runs for every model family.
+KNOBS = {"block_length": "int", "threshold": "opt number", "factor": "opt number", "cache": "str",
+         "anchor_ratio": "number", "anchor_mass": "opt number", "anchor_min_ratio": "number", "selector": "str",
          "temperature": "number"}
+# OpenAI fields with no counterpart here, taken only at the values that ask for nothing (clients such
+# as LangChain send them with their defaults); `user` is a caller's tag and never changes an answer.
+NEUTRAL = {"top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "best_of": (1,), "logit_bias": ({},),
+           "top_logprobs": (0,)}
+FIELDS = {"model", "n", "stream", "stream_options", "seed", "stop", "max_tokens", "logprobs", "echo", "user",
+          "affix", "affix_position", *KNOBS, *NEUTRAL}
+COMPLETION_FIELDS = FIELDS | {"prompt", "suffix", "prompt_tail"}
+CHAT_FIELDS = FIELDS | {"messages", "max_completion_tokens"}
 MAX_STOPS = 4  # as OpenAI
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -32,13 +51,20 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict[str, str] | None = None):
+        message, param = _utf8(message), None if param is None else _utf8(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict[str, Any]:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}.get(
-            self.status, "server_error")
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 408: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _utf8(text: str) -> str:
+    """`text` with any lone surrogate (a client's text quoted in an error) written as an escape: an
+    error object must always encode as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @dataclasses.dataclass
@@ -65,6 +91,11 @@ class Job:
     def prompt_tokens(self) -> int:
         return sum(map(len, self.head)) + len(self.affix or ()) + sum(map(len, self.tail))
 
+    def settings(self) -> dict[str, Any]:
+        """What the request runs with (each response's `acache.settings`): every knob, given or the
+        server's default, and `max_tokens` as run (rounded up to whole blocks)."""
+        return {k: getattr(self.config, k) for k in KNOBS} | {"max_tokens": self.gen_length}
+
     def request(self, head: list[list[int]], affix: tuple[int, ...] | None, position: str | None,
                 tail: list[list[int]]) -> Request:
         flat = lambda pieces: [t for p in pieces for t in p]
@@ -85,6 +116,44 @@ def _get(body: dict[str, Any], name: str, kind: str, default: Any = None) -> Any
         what = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string"}[base]
         raise ApiError(400, f"{name} must be {what}{' or null' * kind.startswith('opt ')}, got {value!r:.60}", name)
     return value
+
+
+def _check_text(body: dict[str, Any]) -> None:
+    """A 400 naming the first string (or key) of the body that is not Unicode text: JSON can carry a
+    lone surrogate ("\\ud800"), which neither the tokenizer nor a UTF-8 response can take. Walked
+    without recursion, whatever the nesting."""
+    todo: list[tuple[str | None, str, Any]] = [(k, k, v) for k, v in body.items()]
+    todo += [(None, "a field name", k) for k in body]  # popped first: a path may then quote a name
+    while todo:
+        field, path, value = todo.pop()
+        if isinstance(value, str):
+            bad = _SURROGATE.search(value)
+            if bad:
+                raise ApiError(400, f"{path} is not valid Unicode text: character {bad.start()} is the lone surrogate "
+                                    f"{ascii(bad.group())[1:-1]} (a \\uXXXX escape without its pair)", field)
+        elif isinstance(value, dict):
+            todo += [(field, f"{path}.{k}", v) for k, v in value.items()] + [(field, f"a key of {path}", k) for k in value]
+        elif isinstance(value, list):
+            todo += [(field, f"{path}[{i}]", v) for i, v in enumerate(value)]
+
+
+def _check_fields(body: dict[str, Any], chat: bool) -> None:
+    """A 400 naming every field this endpoint does not take, and every OpenAI field set to a value
+    that would ask for something this server does not do."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = sorted(k for k in body if k not in known)
+    if unknown:
+        other = COMPLETION_FIELDS if chat else CHAT_FIELDS
+        where = [k for k in unknown if k in other]
+        hint = (f" ({', '.join(where)} {'is' if len(where) == 1 else 'are'} for "
+                f"{'/v1/completions' if chat else '/v1/chat/completions'})") if where else ""
+        raise ApiError(400, f"unknown field{'s' * (len(unknown) > 1)} {', '.join(unknown)}{hint}; this endpoint "
+                            f"takes {', '.join(sorted(known))}", unknown[0])
+    for name, neutral in NEUTRAL.items():
+        if body.get(name) is not None and body[name] not in neutral:
+            raise ApiError(400, f"{name} is not supported (only {neutral[0]!r} or null), got {body[name]!r:.40}", name)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(400, "user must be a string", "user")
 
 
 def _stops(body: dict[str, Any]) -> tuple[str, ...]:
@@ -124,7 +193,35 @@ def _chat_text(body: dict[str, Any], model: Model) -> str:
     if not getattr(tok, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
     clean = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return tok.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+    try:
+        return tok.apply_chat_template(clean, add_generation_prompt=True, tokenize=False)
+    except TemplateError as e:  # the template refuses this conversation (e.g. roles that do not alternate)
+        raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from None
+
+
+class _Pieces:
+    """Texts as pieces of token ids (`affix_index.encode_pieces`: each piece tokenized alone, empty
+    ones dropped) against the prompt tokens the context has room for: tokenizing stops at the first
+    piece past `room`, so a prompt far longer than the context costs about one context of work, and
+    a piece that recurs (a line of blanks a million times) is tokenized once."""
+
+    def __init__(self, model: Model, room: int, too_long: str):
+        self.model, self.room, self.too_long = model, room, too_long
+        self.specials = [t for t in model.tokenizer.all_special_tokens if t]
+        self.seen: dict[str, list[int]] = {}
+
+    def __call__(self, text: str | None, field: str) -> list[list[int]]:
+        out = []
+        for piece in split_text(text or "", self.specials):
+            ids = self.seen.get(piece)
+            if ids is None:
+                ids = self.seen[piece] = self.model.encode(piece, chat=False, special_tokens=False)
+            if ids:
+                self.room -= len(ids)
+                if self.room < 0:
+                    raise ApiError(400, self.too_long, field)
+                out.append(list(ids))
+        return out
 
 
 def engine_config(base: DecodeConfig, **knobs: Any) -> DecodeConfig:
@@ -139,10 +236,37 @@ def engine_config(base: DecodeConfig, **knobs: Any) -> DecodeConfig:
     return config
 
 
-def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: bool) -> Job:
-    """A checked, tokenized Job from a request body (ApiError for anything wrong with it)."""
+def _room(model: Model, block: int, gen_length: int, given: int | None, limit: str, max_model_len: int | None,
+          max_prompt_tokens: int | None) -> tuple[int, str]:
+    """(the prompt tokens a request generating `gen_length` has room for, the end of the 400 for a
+    prompt that needs more), by arithmetic on the numbers: nothing of any of these lengths is built.
+    The context is the model's, or the server's smaller `--max-model-len`."""
+    model_context = model.config.max_seq_len
+    context = min(model_context, max_model_len or model_context)
+    where = (f"the model's context of {context} tokens" if context == model_context else
+             f"this server's limit of {context} tokens (--max-model-len; the model's context is {model_context})")
+    if gen_length >= context:
+        most = (context - 1) // block * block
+        if not most:
+            raise ApiError(400, f"block_length {block} leaves no room for a prompt in {where}", "block_length")
+        raise ApiError(400, f"{limit} {given} ({gen_length} in whole blocks of {block}) leaves no room for a prompt "
+                            f"in {where}; at most {most}", limit)
+    room = context - gen_length
+    if max_prompt_tokens is not None and max_prompt_tokens < room:
+        return max_prompt_tokens, f"more than {max_prompt_tokens} tokens, this server's limit (--max-prompt-tokens)"
+    return room, (f"more than the {room} tokens {where} leaves beside the {gen_length} generated ({limit}, rounded "
+                  f"up to whole blocks of {block})")
+
+
+def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: bool, max_model_len: int | None = None,
+          max_prompt_tokens: int | None = None) -> Job:
+    """A checked, tokenized Job from a request body (ApiError for anything wrong with it). Every
+    check that costs nothing comes before tokenizing, and tokenizing stops where the context (or
+    the server's `max_model_len` / `max_prompt_tokens`) ends."""
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_text(body)
+    _check_fields(body, chat)
     name = _get(body, "model", "str", served_name)
     if name != served_name:
         raise ApiError(404, f"the model {name!r:.80} does not exist; this server serves {served_name!r}", "model",
@@ -155,6 +279,9 @@ def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: b
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
+    if set(options) - {"include_usage"}:
+        raise ApiError(400, f"unknown stream_options field(s) {sorted(set(options) - {'include_usage'})}; "
+                            "known: include_usage", "stream_options")
     include_usage = _get(options, "include_usage", "bool", False)
     seed = _get(body, "seed", "int", 0)
     if not 0 <= seed <= MAX_SEED:
@@ -168,9 +295,13 @@ def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: b
     try:
         config = engine_config(base, **knobs)
     except InputError as e:
-        raise ApiError(400, str(e), next((k for k in knobs if k in str(e)), None)) from None
+        message = str(e)
+        named = [k for k in knobs if k in message or k.replace("_", " ") in message]
+        raise ApiError(400, message, (named or list(knobs) or [None])[0]) from None
     block = config.block_length
     gen_length = -(-(max_tokens or base.gen_length) // block) * block
+    room, too_long = _room(model, block, gen_length, max_tokens or base.gen_length, limit, max_model_len,
+                           max_prompt_tokens)
     affix_text = _get(body, "affix", "str")
     position = _get(body, "affix_position", "str")
     suffix = _get(body, "suffix", "str") if not chat else None
@@ -179,26 +310,26 @@ def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: b
         raise ApiError(400, f"affix_position must be one of {AFFIX_POSITIONS}, got {position!r:.30}", "affix_position")
     if position is not None and affix_text is None:
         raise ApiError(400, "affix_position given without an affix", "affix_position")
+    if chat and position == "infix":
+        raise ApiError(400, "chat requests take a prefix or suffix affix (an infix affix needs a prompt_tail, "
+                            "which only /v1/completions takes)", "affix_position")
     if suffix and affix_text is not None:
         raise ApiError(400, "give either suffix or affix (one affix per request; a suffix is one)", "suffix")
     position = (position or "prefix") if affix_text is not None else ("suffix" if suffix else None)
     if (position == "infix") != bool(tail_text):
         raise ApiError(400, "an infix affix needs a prompt_tail after it, and prompt_tail is only for one",
                        "prompt_tail")
-    if chat and position == "infix":
-        raise ApiError(400, "chat requests take a prefix or suffix affix", "affix_position")
     if model.tokenizer is None:
         raise ApiError(400, "this model ships no tokenizer")
     text = _chat_text(body, model) if chat else _prompt_text(body)
-    specials = [t for t in model.tokenizer.all_special_tokens if t]
-    encode = lambda s: model.encode(s, chat=False, special_tokens=False)
-    pieces = lambda s: encode_pieces(s, encode, specials) if s else []
+    pieces = _Pieces(model, room, f"the prompt{' and affix hold' if position else ' holds'} {too_long}")
+    head = pieces(text, "messages" if chat else "prompt")
     affix = affix_text if affix_text is not None else suffix
-    affix_ids = tuple(t for p in pieces(affix) for t in p) if affix else None
+    affix_ids = tuple(t for p in pieces(affix, "affix" if affix_text is not None else "suffix") for t in p) or None
     if affix is not None and not affix_ids:
         raise ApiError(400, "the affix is empty", "affix")
-    job = Job(chat, pieces(text), affix_ids, position, pieces(tail_text), config, gen_length, seed, _stops(body),
-              stream, include_usage, served_name)
+    job = Job(chat, head, affix_ids, position, pieces(tail_text, "prompt_tail"), config, gen_length, seed,
+              _stops(body), stream, include_usage, served_name)
     try:
         check_request(job.request(job.head, job.affix, position, job.tail), gen_length, model.config,
                       list(affix_ids) if affix_ids else None)
@@ -242,7 +373,7 @@ def completion(job: Job, answer: Answer) -> dict[str, Any]:
     else:
         choice = {"index": 0, "text": answer.text, "finish_reason": answer.finish_reason, "logprobs": None}
     return {"id": _id(job), "object": "chat.completion" if job.chat else "text_completion", "created": job.created,
-            "model": job.model_name, "choices": [choice], "usage": usage(answer), "acache": answer.extra}
+            "model": job.model_name, "choices": [choice], "usage": usage(answer), "acache": _details(job, answer)}
 
 
 def chunk(job: Job, text: str | None, finish: str | None = None, first: bool = False,
@@ -251,10 +382,15 @@ def chunk(job: Job, text: str | None, finish: str | None = None, first: bool = F
     out = {"id": _id(job), "object": "chat.completion.chunk" if job.chat else "text_completion",
            "created": job.created, "model": job.model_name, "choices": [_choice(job, text, finish, first)]}
     if answer is not None:
-        out["acache"] = answer.extra
+        out["acache"] = _details(job, answer)
         if job.include_usage:
             out["usage"] = usage(answer)
     return out
+
+
+def _details(job: Job, answer: Answer) -> dict[str, Any]:
+    """The response's `acache` object: what the engine reports, and the settings it ran with."""
+    return answer.extra | {"settings": job.settings()}
 
 
 def _id(job: Job) -> str:

@@ -3,7 +3,10 @@ sends it commands and reads the events it sends back.
 
 Requests with equal decoding knobs share one `Engine` (its programs are compiled for one
 `DecodeConfig`); a request with other knobs gets an engine of its own, at most `max_engines` at
-once (an idle one is dropped for a new one; if none is idle the request is refused with 429). The
+once (an idle one is dropped for a new one; if none is idle the request is refused with 429). With
+`default_engine` set and room for two engines, one place is kept for the server's default
+settings and their engine is never dropped: a request with the defaults is never refused for
+want of an engine, so a 429 can honestly tell other requests to use the defaults. The
 thread steps every engine that has work in turn. After each step, each running request's
 committed contiguous prefix (final tokens) is turned into text: new text is sent to its stream,
 and a request whose prefix already holds an end-of-text token or a stop string is finished and
@@ -49,6 +52,7 @@ class Settings:
     # > 0: engines run fixed shapes, and `warm_up` compiles every program of steps up to this many
     # tokens before the first request (0: programs compile as the traffic first needs them)
     warmup_tokens: int = 0
+    default_engine: DecodeConfig | None = None  # the key of requests with the server's defaults: kept
 
 
 @dataclasses.dataclass
@@ -195,13 +199,19 @@ class Worker:
     def _engine(self, config: DecodeConfig) -> Engine:
         engine = self.engines.get(config)
         if engine is None:
-            if len(self.engines) >= self.settings.max_engines:
-                idle = next((k for k, e in self.engines.items() if e.scheduler.idle), None)
-                if idle is None:
-                    raise ApiError(429, f"{len(self.engines)} distinct decoding settings are in use, the limit; "
-                                        "retry shortly or use the defaults", code="too_many_settings",
-                                   headers={"Retry-After": "1"})
-                del self.engines[idle]
+            limit = self.settings.max_engines
+            kept = self.settings.default_engine if limit > 1 else None  # its place is never taken
+            if config != kept:
+                others = [k for k in self.engines if k != kept]
+                if len(others) >= limit - (kept is not None):
+                    idle = next((k for k in others if self.engines[k].scheduler.idle), None)
+                    if idle is None:
+                        advice = ("; retry shortly, or leave the decoding knobs out to run on the server's defaults "
+                                  "(one engine is kept for them)") if kept is not None else "; retry shortly"
+                        raise ApiError(429, f"{len(others)} other distinct decoding settings are running, the "
+                                            f"limit (--max-engines {limit}){advice}", code="too_many_settings",
+                                       headers={"Retry-After": "1"})
+                    del self.engines[idle]
             s = self.settings
             engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch,
                                                    fixed_shapes=s.warmup_tokens > 0)
@@ -340,5 +350,7 @@ class Worker:
                  "engine_iterations_total": float(self.counters["engine_iterations"]),
                  "affix_caches": float(len(self.store)), "affix_cache_bytes": float(self.store.nbytes),
                  "affix_cache_evictions_total": float(self.store.evictions),
-                 "span_index_entries": float(len(self.index)), "time": time.time()}
+                 "affix_cache_budget_bytes": float(self.store.budget_bytes),
+                 "span_index_entries": float(len(self.index)), "span_index_capacity": float(self.index.max_entries),
+                 "time": time.time()}
         self.snapshot = snap
