@@ -13,7 +13,6 @@ reading the other affix K/V from the shared cache (see decode.py).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Literal, NamedTuple
 
