@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Hashable, Iterable
 
 from acache_jax.kv import AffixCache
 
@@ -43,11 +43,6 @@ def split_text(text: str, specials: Iterable[str] = ()) -> list[str]:
     if start < len(text):
         pieces.append(text[start:])
     return pieces
-
-
-def encode_pieces(text: str, encode: Callable[[str], list[int]], specials: Iterable[str] = ()) -> list[list[int]]:
-    """Token ids of each piece of `split_text(text)`, each tokenized alone (empty pieces dropped)."""
-    return [ids for ids in (encode(p) for p in split_text(text, specials)) if ids]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 import uuid
 from typing import Any
@@ -27,7 +26,7 @@ from acache_jax.affix_index import split_text
 from acache_jax.config import DecodeConfig, InputError
 from acache_jax.engine.engine import check_engine_config
 from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_request
-from acache_jax.model import Model
+from acache_jax.model import Model, check_text
 
 # Request fields that set decoding knobs (DecodeConfig fields of the same name): those the engine
 # runs for every model family.
@@ -43,7 +42,6 @@ FIELDS = {"model", "n", "stream", "stream_options", "seed", "stop", "max_tokens"
 COMPLETION_FIELDS = FIELDS | {"prompt", "suffix", "prompt_tail"}
 CHAT_FIELDS = FIELDS | {"messages", "max_completion_tokens"}
 MAX_STOPS = 4  # as OpenAI
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class ApiError(Exception):
@@ -127,10 +125,10 @@ def _check_text(body: dict[str, Any]) -> None:
     while todo:
         field, path, value = todo.pop()
         if isinstance(value, str):
-            bad = _SURROGATE.search(value)
-            if bad:
-                raise ApiError(400, f"{path} is not valid Unicode text: character {bad.start()} is the lone surrogate "
-                                    f"{ascii(bad.group())[1:-1]} (a \\uXXXX escape without its pair)", field)
+            try:
+                check_text(value, path)  # the library's one test of what the tokenizer can take
+            except InputError as e:
+                raise ApiError(400, str(e), field) from None
         elif isinstance(value, dict):
             todo += [(field, f"{path}.{k}", v) for k, v in value.items()] + [(field, f"a key of {path}", k) for k in value]
         elif isinstance(value, list):
@@ -200,8 +198,8 @@ def _chat_text(body: dict[str, Any], model: Model) -> str:
 
 
 class _Pieces:
-    """Texts as pieces of token ids (`affix_index.encode_pieces`: each piece tokenized alone, empty
-    ones dropped) against the prompt tokens the context has room for: tokenizing stops at the first
+    """Texts as pieces of token ids (`affix_index.split_text`, each piece tokenized alone, empty ones
+    dropped) against the prompt tokens the context has room for: tokenizing stops at the first
     piece past `room`, so a prompt far longer than the context costs about one context of work, and
     a piece that recurs (a line of blanks a million times) is tokenized once."""
 
