@@ -31,6 +31,7 @@ from typing import Any
 from jax.sharding import Mesh
 
 from acache_jax import compile_cache
+from acache_jax.cli import DEFAULT_MODEL, Parser, add_compile_cache, positive, threshold
 from acache_jax.acache import AffixCache, build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.config import ATTENTION_BACKENDS, CACHE_POLICIES, SELECTORS, DecodeConfig, InputError
@@ -41,8 +42,6 @@ from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, RequestError, 
 from acache_jax.model import Model, check_text
 from acache_jax.sharding import initialize_distributed, make_mesh
 
-# The shipped LLaDA-architecture model (acache_jax/models/README.md); used when --model is not given.
-DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "llada-small"
 # Per-request keys of --input lines that map onto DecodeConfig fields.
 DECODE_KEYS = ("gen_length", "block_length", "steps", "threshold", "factor", "temperature", "cache",
                "anchor_ratio", "anchor_mass", "anchor_min_ratio", "selector", "drop_non_anchor", "early_stop")
@@ -51,27 +50,6 @@ REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "affix": str, "affix_ids": li
                 "prompt_tail_ids": list, "seed": int, "no_chat": bool, "affix_position": str}
 WINDOW_BATCHES = 4  # the static path decodes this many batches of input lines, then prints them
 MAX_REPORTED = 20  # bad --input lines reported by name; the rest are counted
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (no usage block) with exit code 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def _threshold(text: str) -> float | None:
-    return None if text.lower() == "none" else float(text)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _seed(text: str) -> int:
@@ -88,22 +66,8 @@ def _ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
 
 
-def _compile_cache_setting(text: str) -> str:
-    try:
-        return compile_cache.check_setting(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _add_compile_cache(p: argparse.ArgumentParser) -> None:
-    """--compile-cache, shared by the command lines that compile (acache_jax.compile_cache says why)."""
-    p.add_argument("--compile-cache", metavar="DIR|off", type=_compile_cache_setting, default=None,
-                   help="keep compiled programs in DIR for later processes, or 'off' (default: "
-                        f"${compile_cache.ENV_VAR}, else $XDG_CACHE_HOME/{compile_cache.SUBDIR.as_posix()})")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m acache_jax.generate", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m acache_jax.generate", description=__doc__.splitlines()[0])
     unset = argparse.SUPPRESS  # decoding flags not given keep the model's generation defaults
     p.add_argument("--model", type=Path, help="converted or HF LLaDA/Dream directory (default: the shipped model)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (default: as stored)")
@@ -119,10 +83,10 @@ def parser() -> argparse.ArgumentParser:
     tail = p.add_mutually_exclusive_group()
     tail.add_argument("--prompt-tail", help="infix: the prompt text after the affix")
     tail.add_argument("--prompt-tail-ids", type=_ids, help="infix: the prompt token ids after the affix")
-    p.add_argument("--gen-length", type=_positive, default=unset, help="tokens to generate (default: the model's)")
-    p.add_argument("--block-length", type=_positive, default=unset, help="decoding block (default: the model's)")
-    p.add_argument("--steps", type=_positive, default=unset, help="fixed-schedule steps (default: gen length)")
-    p.add_argument("--threshold", type=_threshold, default=unset,
+    p.add_argument("--gen-length", type=positive, default=unset, help="tokens to generate (default: the model's)")
+    p.add_argument("--block-length", type=positive, default=unset, help="decoding block (default: the model's)")
+    p.add_argument("--steps", type=positive, default=unset, help="fixed-schedule steps (default: gen length)")
+    p.add_argument("--threshold", type=threshold, default=unset,
                    help="confidence threshold, or 'none' for the fixed schedule (default: the model's)")
     p.add_argument("--factor", type=float, default=unset, help="Fast-dLLM factor rule instead of the threshold")
     p.add_argument("--temperature", type=float, default=unset)
@@ -140,22 +104,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-early-stop", dest="early_stop", action="store_false", default=unset,
                    help="compute every block even after an all end-of-text one (upstream parity)")
     p.add_argument("--seed", type=_seed, default=0)
-    p.add_argument("--batch-size", type=_positive, default=16, help="largest batch to run at once")
+    p.add_argument("--batch-size", type=positive, default=16, help="largest batch to run at once")
     p.add_argument("--backend", default=None, choices=ATTENTION_BACKENDS,
                    help="attention backend (default: pallas on a GPU, else xla)")
     p.add_argument("--engine", action="store_true",
                    help="serve the requests with the continuous-batching engine (cache dual, acache or direct)")
-    p.add_argument("--pool-tokens", type=_positive, default=None,
+    p.add_argument("--pool-tokens", type=positive, default=None,
                    help="engine: KV pool size in tokens (default: batch size x the model's context)")
     p.add_argument("--json", action="store_true", help="one JSON object per request: tokens, text, nfe, seconds")
-    p.add_argument("--tensor-parallel-size", type=_positive, default=None,
+    p.add_argument("--tensor-parallel-size", type=positive, default=None,
                    help="split the model over this many devices (attention heads, MLP, vocabulary); default 1")
-    p.add_argument("--data-parallel-size", type=_positive, default=None,
+    p.add_argument("--data-parallel-size", type=positive, default=None,
                    help="copies of the model, each running part of every batch; default 1")
     p.add_argument("--distributed", action="store_true",
                    help="several hosts: jax.distributed.initialize from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
                         "JAX_PROCESS_ID (or SLURM / Open MPI); run the same command on every host")
-    _add_compile_cache(p)
+    add_compile_cache(p)
     return p
 
 
@@ -414,7 +378,7 @@ def _run_engine(model: Model, jobs: list[_Job], args: argparse.Namespace, out: _
         # LLaDA-8B's context is 34 GB, for the one request of a --prompt run
         engine = Engine(model, config, pool_tokens=args.pool_tokens, max_batch=min(args.batch_size, len(members)))
         ids = {engine.add(job.request, job.affix): i for i, job in members}
-        while not engine.scheduler.idle:
+        while engine.has_unfinished():
             for res in engine.step():
                 out.put(ids[res.request_id], _row(model, config, res.tokens, res.nfe, res.anchors, forward_tokens=None,
                                                   seconds=round(engine.stats.seconds, 4),

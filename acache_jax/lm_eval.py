@@ -61,7 +61,7 @@ from acache_jax.config import (FIELD_KINDS, GENERATION_CONFIG_FILE, DecodeConfig
 from acache_jax.decode import generate
 from acache_jax.engine import Engine
 from acache_jax.engine.engine import check_engine_config
-from acache_jax.generate import DEFAULT_MODEL
+from acache_jax.cli import DEFAULT_MODEL
 from acache_jax.kv import AffixCache
 from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_context, check_request
 

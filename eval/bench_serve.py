@@ -37,7 +37,7 @@ import numpy as np
 from acache_jax import compile_cache
 from acache_jax.checkpoint import load
 from acache_jax.files import check_output_path, write_atomic
-from acache_jax.generate import DEFAULT_MODEL
+from acache_jax.cli import DEFAULT_MODEL
 from eval.bench_traffic import add_common_flags, counting_compiles, shaped_model
 
 

@@ -112,13 +112,13 @@ def serve(model, config, workload, arrivals: np.ndarray, max_batch: int, pool_to
             affix, request, gen = workload[pending]
             arrived_at[engine.add(request, affix, gen_length=gen)] = arrivals[pending]
             pending += 1
-        if engine.scheduler.idle:  # nothing to do before the next arrival
+        if not engine.has_unfinished():  # nothing to do before the next arrival
             time.sleep(max(0.0, arrivals[pending] - now))
             continue
         for res in engine.step():
             latency[res.request_id] = time.perf_counter() - start - arrived_at[res.request_id]
     seconds = time.perf_counter() - start
-    engine.scheduler.drain()
+    engine.drain()
     lat = np.asarray(list(latency.values()))
     generated = sum(gen for _, _, gen in workload)
     return dict(seconds=seconds, tokens_per_s=generated / seconds, p50_s=float(np.percentile(lat, 50)),

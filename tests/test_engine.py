@@ -66,7 +66,7 @@ def test_engine_equals_static_path_in_any_order(model, cache, extra, orders):
             assert res.tokens.tolist() == static.tokens[i].tolist(), (cache, i)
             assert res.anchors.tolist() == static.anchors[i].tolist()
             assert res.nfe == static.nfe[i]
-        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+        assert engine.usage().blocks_in_use == 0
         assert engine.stats.affix_fills == (0 if cache == "dual" else 1)
 
 
@@ -169,8 +169,8 @@ def test_results_are_handed_out_once(fixtures_dir):
     assert len(mine) == 1 and mine[0].request_id not in early
     later = engine.run()
     assert sorted(r.request_id for r in later) == early
-    assert engine.run() == [] and engine.scheduler.idle
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.run() == [] and not engine.has_unfinished()
+    assert engine.usage().blocks_in_use == 0
     alone = generate(model, [Request([1, 2, 3], seed=1), Request([4, 5], seed=2)], cfg)
     assert [r.tokens.tolist() for r in later] == [t.tolist() for t in alone.tokens]
 
@@ -199,7 +199,7 @@ def test_packed_steps_mix_probes_recomputes_and_decodes(fixtures_dir, arrivals):
         alone = generate(model, [r], engine.request_config(gen), affix=AFFIX)
         assert results[rid].tokens.tolist() == alone.tokens[0].tolist()
         assert results[rid].anchors.tolist() == alone.anchors[0].tolist() and results[rid].nfe == alone.nfe[0]
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.usage().blocks_in_use == 0
 
 
 @functools.cache

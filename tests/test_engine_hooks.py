@@ -5,7 +5,6 @@ import logging
 import queue
 
 import jax
-import numpy as np
 import pytest
 
 import acache_jax
@@ -23,8 +22,7 @@ def model(fixtures_dir):
 
 
 def _empty(engine: Engine) -> bool:
-    bm = engine.block_manager
-    return bm.num_free_blocks == bm.num_blocks and not engine._affixes and not engine._live
+    return engine.usage().blocks_in_use == 0 and not engine.has_unfinished() and not engine._live
 
 
 def test_a_request_without_affix_under_acache_decodes_as_under_dual(model):
@@ -47,18 +45,18 @@ def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
     reqs = [Request([5, 17, 33, 2, 90], affix_position="prefix", seed=s) for s in range(3)]
     ids = [engine.add(r, AFFIX) for r in reqs]  # the third waits: max_batch 2
     seen = {i: [] for i in ids}
-    while engine.block_manager.num_free_blocks == engine.block_manager.num_blocks or not engine.partial(ids[0]).size:
+    while engine.usage().blocks_in_use == 0 or not engine.partial(ids[0]).size:
         engine.step()
     for i in ids:
         seen[i].append(engine.partial(i).tolist())
     assert engine.cancel(ids[1]) and engine.cancel(ids[2])  # running and waiting
     assert not engine.cancel(ids[1]) and engine.partial(ids[1]) is None
-    assert len(engine.scheduler.running) == 1 and not engine.scheduler.waiting
+    assert (engine.usage().running, engine.usage().waiting) == (1, 0)
     results = []
-    while not engine.scheduler.idle:
+    while engine.has_unfinished():
         seen[ids[0]].append([] if engine.partial(ids[0]) is None else engine.partial(ids[0]).tolist())
         results += engine.step()
-    engine.scheduler.drain()
+    engine.drain()
     assert [r.request_id for r in results] == [ids[0]]
     final = results[0].tokens.tolist()
     for prefix in seen[ids[0]]:

@@ -229,8 +229,7 @@ def test_an_engine_keeps_nothing_per_request(fixtures_dir):
         grown = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks and not engine._live and not engine._affixes
+    assert engine.usage().blocks_in_use == 0 and not engine._live
     assert grown < 40_000, f"the engine's heap grew {grown} bytes over 320 requests"
 
 

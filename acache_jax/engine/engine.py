@@ -25,7 +25,7 @@ from acache_jax.acache import AffixCache, check_affix_cache
 from acache_jax.config import DecodeConfig, DecodeError, InputError, resolve_decode_config
 from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.runner import Observer, Runner
-from acache_jax.engine.scheduler import Scheduler
+from acache_jax.engine.scheduler import Plan, Scheduler, StepOutput
 from acache_jax.engine.sequence import SequenceState
 from acache_jax.layout import Request, RequestError, check_affix, check_request
 from acache_jax.model import Model
@@ -42,6 +42,14 @@ class EngineResult:
     anchors: np.ndarray  # sorted affix-relative anchor indices (empty without selective recompute)
     nfe: int  # forward calls that computed the request (the probe included)
     forward_tokens: int  # tokens those forwards computed for it
+
+
+@dataclasses.dataclass
+class EngineUsage:
+    running: int
+    waiting: int
+    blocks_in_use: int  # of the pool's blocks
+    blocks: int
 
 
 @dataclasses.dataclass
@@ -62,6 +70,20 @@ class EngineStats:
     def host_seconds(self) -> float:
         """The rest of `seconds`: host work (scheduling, building the inputs) the device waits for."""
         return self.seconds - self.device_seconds
+
+    def record(self, plan: Plan, out: StepOutput, finished: list[SequenceState], block_bytes: int,
+               seconds: float) -> None:
+        """Add one iteration: its plan (memory held after admission), the runner's work, the requests
+        that finished, and its wall time."""
+        self.iterations += 1
+        self.peak_blocks = max(self.peak_blocks, plan.blocks_in_use)
+        self.peak_kv_bytes = max(self.peak_kv_bytes, plan.blocks_in_use * block_bytes)
+        self.affix_fills += out.work.affix_fills
+        self.forward_tokens += out.work.forward_tokens
+        self.padded_tokens += out.work.padded_tokens
+        self.device_seconds += out.work.device_seconds
+        self.generated_tokens += sum(len(seq.generated) for seq in finished)
+        self.seconds += seconds
 
     def summary(self) -> dict:
         return dict(iterations=self.iterations, affix_fills=self.affix_fills, peak_blocks=self.peak_blocks,
@@ -109,8 +131,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_batch)
         self.runner = Runner(model, config, num_blocks * block_size, max_batch, observer, fixed_shapes)
         self.stats = EngineStats()
-        self._affixes: dict[tuple[int, ...], list[int] | AffixCache] = {}  # of queued and running requests
-        self._affix_users: dict[tuple[int, ...], int] = {}  # queued and running requests per affix
+        self._block_bytes = block_size * self.runner.pool.bytes_per_slot
+        self._mask_id = model.config.mask_token_id
+        self._eos = model.config.eos_token_id if config.early_stop else None  # a block all of it ends a request
         self._live: dict[int, SequenceState] = {}  # queued and running requests
         self._held: dict[int, EngineResult] = {}  # finished during generate() but not asked for there
         self._next_id = 0
@@ -148,14 +171,11 @@ class Engine:
                gen_length: int) -> int:
         """Queue a checked request (`_check`'s results); returns its id."""
         cfg, mcfg = self.config, self.model.config
-        seq = SequenceState.from_request(self._next_id, request, affix_ids,
-                                         gen_length, cfg.block_length, mcfg.mask_token_id, self.policy)
+        seq = SequenceState.from_request(self._next_id, request, affix_ids, gen_length, cfg.block_length,
+                                         mcfg.mask_token_id, self.policy,
+                                         affix if isinstance(affix, AffixCache) else None)
         self.scheduler.add(seq, cfg.anchors(seq.affix_len), cfg.min_anchors(seq.affix_len))
         self.runner.reserve(seq)
-        if seq.shares_affix:
-            if not isinstance(self._affixes.get(seq.affix_key), AffixCache):
-                self._affixes[seq.affix_key] = affix if isinstance(affix, AffixCache) else affix_ids
-            self._affix_users[seq.affix_key] = self._affix_users.get(seq.affix_key, 0) + 1
         self._live[seq.request_id] = seq
         self._next_id += 1
         return seq.request_id
@@ -167,7 +187,7 @@ class Engine:
         if seq is None:
             return False
         self.scheduler.cancel(seq)
-        self._forget(seq)
+        del self._live[request_id]
         return True
 
     def partial(self, request_id: int) -> np.ndarray | None:
@@ -182,14 +202,20 @@ class Engine:
         seq = self._live.get(request_id)
         return None if seq is None else seq.num_anchors
 
-    def _forget(self, seq: SequenceState) -> None:
-        """Drop a request that left the engine, and its affix's source once no queued or running request
-        needs it (else the engine would keep every affix it ever served)."""
-        del self._live[seq.request_id]
-        if seq.shares_affix:
-            self._affix_users[seq.affix_key] -= 1
-            if not self._affix_users[seq.affix_key]:
-                del self._affix_users[seq.affix_key], self._affixes[seq.affix_key]
+    def has_unfinished(self) -> bool:
+        """Requests are queued or running: `step` has work."""
+        return not self.scheduler.idle
+
+    def drain(self) -> None:
+        """Going idle: the affixes of the last finished requests leave the pool now (they are kept
+        for one more admission, which may find them resident)."""
+        self.scheduler.drain()
+
+    def usage(self) -> EngineUsage:
+        """Requests running and waiting, and the pool's blocks in use, now."""
+        bm = self.block_manager
+        return EngineUsage(len(self.scheduler.running), len(self.scheduler.waiting), self.scheduler.blocks_in_use,
+                           bm.num_blocks)
 
     def warm_up(self, max_tokens: int, threads: int = 8) -> int:
         """Compile every program that steps of up to `max_tokens` tokens run (an engine with
@@ -222,8 +248,8 @@ class Engine:
         while len(got) < len(wanted):
             for res in self.step():
                 (got if res.request_id in wanted else self._held)[res.request_id] = res
-        if self.scheduler.idle:
-            self.scheduler.drain()
+        if not self.has_unfinished():
+            self.drain()
         return [got[i] for i in ids]
 
     def run(self, progress: bool = False) -> list[EngineResult]:
@@ -237,13 +263,14 @@ class Engine:
         if progress:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(self.scheduler.waiting) + len(self.scheduler.running), desc="engine", unit="req")
-        while not self.scheduler.idle:
+            usage = self.usage()
+            bar = tqdm(total=usage.running + usage.waiting, desc="engine", unit="req")
+        while self.has_unfinished():
             finished = self.step()
             done += finished
             if bar is not None:
                 bar.update(len(finished))
-        self.scheduler.drain()
+        self.drain()
         if bar is not None:
             bar.close()
         return sorted(done, key=lambda r: r.request_id)
@@ -252,42 +279,13 @@ class Engine:
 
     def step(self) -> list[EngineResult]:
         """schedule -> run -> postprocess; returns the requests that finished."""
-        with use_mesh(self.model.mesh):
-            return self._step()
-
-    def _step(self) -> list[EngineResult]:
         start = time.perf_counter()
-        mcfg = self.model.config
-        plan = self.scheduler.schedule(mcfg.mask_token_id)
-        for seq in plan.fills:
-            self._fill_affix(seq)
-        self._track_memory()
-        finished = []
-        if not plan.empty:
+        with use_mesh(self.model.mesh):
+            plan = self.scheduler.schedule(self._mask_id)
             out = self.runner.run(plan)
-            finished = self.scheduler.postprocess(plan, out, mcfg.mask_token_id,
-                                                  mcfg.eos_token_id if self.config.early_stop else None)
+            finished = self.scheduler.postprocess(plan, out, self._mask_id, self._eos)
+        self.stats.record(plan, out, finished, self._block_bytes, time.perf_counter() - start)
         for seq in finished:
-            self._forget(seq)
-        results = [self._result(seq) for seq in finished]
-        runner, stats = self.runner, self.stats
-        stats.iterations += 1
-        stats.forward_tokens, stats.padded_tokens = runner.forward_tokens, runner.padded_tokens
-        stats.device_seconds = runner.device_seconds
-        stats.seconds += time.perf_counter() - start
-        return results
-
-    def _track_memory(self) -> None:
-        bm = self.block_manager
-        used = bm.num_blocks - bm.num_free_blocks
-        self.stats.peak_blocks = max(self.stats.peak_blocks, used)
-        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, used * bm.block_size * self.runner.pool.bytes_per_slot)
-
-    def _result(self, seq: SequenceState) -> EngineResult:
-        tokens = seq.generated.copy()
-        self.stats.generated_tokens += len(tokens)
-        return EngineResult(seq.request_id, tokens, seq.anchors.copy(), seq.nfe + int(seq.probed), seq.forward_tokens)
-
-    def _fill_affix(self, seq: SequenceState) -> None:
-        self.runner.fill_affix(self._affixes[seq.affix_key], seq.shared_slots)
-        self.stats.affix_fills += 1
+            del self._live[seq.request_id]
+        return [EngineResult(s.request_id, s.generated.copy(), s.anchors.copy(), s.nfe + int(s.probed),
+                             s.forward_tokens) for s in finished]

@@ -32,7 +32,7 @@ import numpy as np
 from acache_jax import sampling
 from acache_jax.acache import Ranking, affix_deviation, anchor_ranking
 from acache_jax.config import DecodeConfig, ModelConfig
-from acache_jax.engine.scheduler import Plan, StepOutput
+from acache_jax.engine.scheduler import Plan, StepOutput, Work
 from acache_jax.engine.sequence import SequenceState
 from acache_jax.kv import AffixCache, KVPool, PoolAccess, ReadSet, flat_index, rotated_from_zero, rows_access
 from acache_jax.layout import bucket, row_bucket, token_bucket
@@ -278,14 +278,8 @@ class Runner:
         # per read set (private, shared): wide enough for every request queued so far
         self.read_widths = [context, context if config.selective else 0] if fixed_shapes else [0, 0]
         self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
-        self.forward_tokens = 0  # tokens the forwards computed, padding excluded
-        self.padded_tokens = 0  # tokens the forwards computed, padding included
-        # time inside the jitted calls and the result fetch: the rest of a step is host work the device
-        # waits for (on a GPU the block loop's call returns only when its loop ends: XLA drives a
-        # while loop's condition from the host)
-        self.device_seconds = 0.0
 
-    def fill_affix(self, affix: AffixCache | list[int], slots: np.ndarray) -> None:
+    def _fill_affix(self, affix: AffixCache | list[int], slots: np.ndarray, work: Work) -> None:
         """Store an affix in its shared slots: a built cache as it is, ids computed here. The jitted
         call counts as device time, as the steps' calls do (on a GPU it can return only when the
         affix's forward is done: 18 ms of a 920-token affix at LLaDA-8B shape)."""
@@ -297,7 +291,8 @@ class Runner:
             call = lambda: compute_affix(self.structure, self.params, self.pool, ids, slots)
         called = time.perf_counter()
         self.pool = call()
-        self.device_seconds += time.perf_counter() - called
+        work.device_seconds += time.perf_counter() - called
+        work.affix_fills += 1
 
     def reserve(self, seq: SequenceState) -> None:
         """Widen the read sets for a queued request (its private columns; under acache its affix,
@@ -344,9 +339,10 @@ class Runner:
         return tuple(ReadSet(_rows(v, w, n_rows, 0), np.asarray([len(x) for x in v] + [0] * (n_rows - len(v)), np.int32),
                              off) for w, (v, off) in zip(self.read_widths, sets)), keys
 
-    def _packed(self, plan: Plan, reads: tuple[ReadSet, ...], keys: np.ndarray, n_rows: int, axis: int | None = None,
-                probing: bool | None = None) -> PackedStep:
-        """The plan's packed forward (axis, probing: set only to compile an empty plan's program)."""
+    def _packed(self, plan: Plan, reads: tuple[ReadSet, ...], n_rows: int, axis: int | None = None,
+                probing: bool | None = None) -> tuple[PackedStep, np.ndarray]:
+        """The plan's packed forward, and the tokens it computes for each segment (axis, probing: set
+        only to compile an empty plan's program)."""
         cfg, mask_id = self.config, self.model.config.mask_token_id
         bl = cfg.block_length
         columns = ([s.own_columns for s in plan.probe] + [s.private_columns for s in plan.recompute]
@@ -387,15 +383,8 @@ class Runner:
         tile_seg[:len(tile_start)] = np.repeat(np.arange(len(seqs)), counts)
         commits = self._commits(seqs, n_rows, block_start=[False] * len(plan.probe) + [True] * len(plan.recompute)
                                 + [False] * len(plan.decode), active=[not s.needs_probe for s in seqs])
-        if seqs:
-            self.forward_tokens += m_real
-            self.padded_tokens += m
-            if self.observer is not None:
-                self.observer.forward(m_real, int((lengths * keys).sum()), bl * (len(seqs) - len(plan.probe)))
-        for seq, n in zip(seqs, lengths):
-            seq.forward_tokens += int(n)
         return PackedStep(tokens, positions, write, segment, tile_rows, tile_seg, reads, logit_index, commits,
-                          weight if probing else None)
+                          weight if probing else None), lengths
 
     def _commits(self, seqs: list[SequenceState], n_rows: int, block_start: list[bool], active: list[bool]) -> Commits:
         pad = lambda values, dtype: np.asarray(list(values) + [0] * (n_rows - len(values)), dtype)
@@ -424,13 +413,13 @@ class Runner:
             raise ValueError("warm_up needs a runner with fixed shapes (the programs depend on the traffic otherwise)")
         n_rows = row_bucket(self.max_batch) + 1
         empty = Plan([], [], [], [])
-        reads, keys = self._read_sets(empty, n_rows)
+        reads, _ = self._read_sets(empty, n_rows)
         axes = [token_bucket(1, **FIXED_AXIS)]
         while axes[-1] < max_tokens:
             axes.append(token_bucket(axes[-1] + 1, **FIXED_AXIS))
         programs = []
         for m, probing in itertools.product(axes, (False, True) if self.config.selective else (False,)):
-            packing, buffer = pack(self._packed(empty, reads, keys, n_rows, axis=m, probing=probing))
+            packing, buffer = pack(self._packed(empty, reads, n_rows, axis=m, probing=probing)[0])
             programs.append((packed_step, self.structure, self.program_config, packing, self.params, self.pool, buffer))
         after = self._commits([], n_rows, [], [])  # what a packed step hands the block loop, as shapes
         for loop_rows in sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}):
@@ -442,9 +431,10 @@ class Runner:
             list(ex.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
         return len(programs)
 
-    def _deviation_ranking(self, probe: list[SequenceState]) -> Ranking:
+    def _deviation_ranking(self, probe: list[SequenceState], work: Work) -> tuple[Ranking, np.ndarray]:
         """Dispatch the hkvd selectors' forward for the newly admitted (their text, hkvd_block: and
-        first block, each column at its own position) and return their rankings (on the device)."""
+        first block, each column at its own position); their rankings (on the device) and the tokens
+        it computes for each."""
         cfg, mcfg = self.config, self.model.config
         columns = [s.row.columns_through_block(cfg.block_length) if cfg.selector == "hkvd_block"
                    else np.arange(s.num_columns, dtype=np.int32) for s in probe]
@@ -459,28 +449,32 @@ class Runner:
                             n_rows, 0)
         shared = _rows([s.shared_slots for s in probe], affix_width, n_rows, 0)
         affix_valid = np.arange(affix_width)[None] < np.asarray([s.affix_len for s in probe] + [0] * spare)[:, None]
-        for seq, n in zip(probe, lengths):
-            seq.forward_tokens += int(n)
-        self.forward_tokens += int(lengths.sum())
-        self.padded_tokens += n_rows * width
+        work.forward_tokens += int(lengths.sum())
+        work.padded_tokens += n_rows * width
         if self.observer is not None:
             self.observer.forward(int(lengths.sum()), int((lengths ** 2).sum()), 0)
         inputs = jax.device_put((tokens, positions, valid, affix_index, shared, affix_valid))
-        return deviation_ranking(self.structure, self.program_config, self.params, self.pool, *inputs)
+        return deviation_ranking(self.structure, self.program_config, self.params, self.pool, *inputs), lengths
 
-    def _no_loop_output(self, ranking: Ranking | None) -> StepOutput:
+    def _no_loop_output(self, ranking: Ranking | None, forward_tokens: np.ndarray, work: Work) -> StepOutput:
         """What an iteration without loop requests returns: only the probed requests' rankings."""
         return StepOutput(np.zeros((0, self.config.block_length), np.int32), np.zeros(0, np.int64),
-                          np.zeros(0, np.int64), ranking)
+                          np.zeros(0, np.int64), ranking, forward_tokens, work)
 
     def run(self, plan: Plan) -> StepOutput:
-        """Run one iteration of the plan and return what the host must know."""
+        """Run one iteration of the plan, its affix fills first; what the host must know. Mutates no
+        sequence: what each request got comes back in the output, for the scheduler to apply."""
+        work, forward_tokens = Work(), np.zeros(len(plan.segments), np.int64)
+        for seq in plan.fills:
+            self._fill_affix(seq.affix_source, seq.shared_slots, work)
+        if plan.empty:
+            return self._no_loop_output(None, forward_tokens, work)
         cfg = self.program_config
         timed = self.observer is not None and self.observer.timed
         probed, ranking = len(plan.probe), None
         if plan.probe and cfg.selector in DEVIATION_SELECTORS:  # ranked by their own call, not the probe
             start = time.perf_counter()
-            ranking = self._deviation_ranking(plan.probe)
+            ranking, forward_tokens[:probed] = self._deviation_ranking(plan.probe, work)
             if timed:
                 jax.block_until_ready(ranking)
                 self.observer.call("probe", 1, time.perf_counter() - start)
@@ -488,14 +482,21 @@ class Runner:
             if plan.empty:
                 called = time.perf_counter()
                 ranking = _first(jax.device_get(ranking), probed)
-                self.device_seconds += time.perf_counter() - called
-                return self._no_loop_output(ranking)
+                work.device_seconds += time.perf_counter() - called
+                return self._no_loop_output(ranking, forward_tokens, work)
         # Rows for max_batch segments whatever the plan holds (the last row stays empty): the
         # packed step's program then depends on its token bucket alone. Spare rows cost only their
         # block's logits, once per iteration.
         n_rows = row_bucket(self.max_batch) + 1
         reads, keys = self._read_sets(plan, n_rows)
-        step_packing, step_buffer = pack(self._packed(plan, reads, keys, n_rows))
+        step, lengths = self._packed(plan, reads, n_rows)
+        forward_tokens[-len(lengths):] += lengths
+        work.forward_tokens += int(lengths.sum())
+        work.padded_tokens += len(step.tokens)
+        if self.observer is not None:
+            self.observer.forward(int(lengths.sum()), int((lengths * keys[:len(lengths)]).sum()),
+                                  cfg.block_length * len(plan.loop))
+        step_packing, step_buffer = pack(step)
         loop_packing, loop_buffer = pack((reads, self._loop(plan, n_rows))) if plan.loop else (None, None)
         step_buffer, loop_buffer = jax.device_put((step_buffer, loop_buffer))  # the inputs, in one call
         start = called = time.perf_counter()
@@ -513,26 +514,26 @@ class Runner:
             self.pool, rows, count = block_loop(self.structure, cfg, loop_packing, self.params, self.pool, loop_buffer,
                                                 after)
         rows, count, ranking, after = jax.device_get((rows, count, ranking, after))
-        self.device_seconds += time.perf_counter() - called
+        work.device_seconds += time.perf_counter() - called
         if timed and plan.loop:
             self.observer.call("loop", int(count), time.perf_counter() - start)
         loop = plan.loop
         ranking = None if ranking is None else _first(ranking, probed)
         if not loop:
-            return self._no_loop_output(ranking)
+            return self._no_loop_output(ranking, forward_tokens, work)
         first = len(plan.probe)
         before_loop = np.asarray(after.nfe)[first:first + len(loop)]
         nfe = np.asarray(rows.nfe)[:len(loop)]
-        for seq, n in zip(loop, nfe - before_loop):  # each loop forward with masks left computed its block
-            seq.forward_tokens += int(n) * cfg.block_length
-        self.forward_tokens += int((nfe - before_loop).sum()) * cfg.block_length
-        self.padded_tokens += int(count) * row_bucket(len(loop)) * cfg.block_length
+        loop_forwards = nfe - before_loop  # each loop forward with masks left computed its block
+        forward_tokens[-len(loop):] += loop_forwards * cfg.block_length
+        work.forward_tokens += int(loop_forwards.sum()) * cfg.block_length
+        work.padded_tokens += int(count) * row_bucket(len(loop)) * cfg.block_length
         if self.observer is not None:
             keys = keys[first:first + len(loop)]
             for i in range(int(count)):  # the loop runs while every row still has masks: all rows compute
-                rows_left = int(((nfe - before_loop) > i).sum())
-                self.observer.forward(rows_left * cfg.block_length,
-                                      int(keys[(nfe - before_loop) > i].sum()) * cfg.block_length,
+                rows_left = int((loop_forwards > i).sum())
+                self.observer.forward(rows_left * cfg.block_length, int(keys[loop_forwards > i].sum()) * cfg.block_length,
                                       rows_left * cfg.block_length)
         return StepOutput(np.asarray(rows.block)[:len(loop)], nfe - np.asarray([s.nfe for s in loop]),
-                          np.asarray(rows.step)[:len(loop)] - np.asarray([s.step for s in loop]), ranking)
+                          np.asarray(rows.step)[:len(loop)] - np.asarray([s.step for s in loop]), ranking,
+                          forward_tokens, work)

@@ -37,6 +37,7 @@ class Plan:
     probe: list[SequenceState]  # admitted, anchors to select (their non-affix columns)
     recompute: list[SequenceState]  # at a block start (their private columns; the block commits)
     decode: list[SequenceState]  # mid-block (their block; one in-block step)
+    blocks_in_use: int = 0  # pool blocks held once this iteration's requests were admitted
 
     @property
     def segments(self) -> list[SequenceState]:
@@ -53,14 +54,26 @@ class Plan:
 
 
 @dataclasses.dataclass
+class Work:
+    """What an iteration cost: the engine adds these into its `EngineStats`."""
+
+    forward_tokens: int = 0  # tokens the forwards computed, padding excluded
+    padded_tokens: int = 0  # tokens the forwards computed, padding included
+    device_seconds: float = 0.0  # inside the jitted calls and the fetch of their results
+    affix_fills: int = 0  # affixes written into their shared blocks
+
+
+@dataclasses.dataclass
 class StepOutput:
     """What the device returns for a plan: per loop request, its block afterwards and counters;
-    per probed request, its affix ranked for selection."""
+    per probed request, its affix ranked for selection; per segment, the tokens computed for it."""
 
     blocks: np.ndarray  # [len(plan.loop), block_length]
     nfe: np.ndarray  # [len(plan.loop)] forward calls with masks in the block, this iteration
     steps: np.ndarray  # [len(plan.loop)] in-block commits, this iteration
     ranking: Ranking | None  # per plan.probe request: [N] best first, and the budget's covering count
+    forward_tokens: np.ndarray | None = None  # [len(plan.segments)] tokens computed for each, this iteration
+    work: Work = dataclasses.field(default_factory=Work)
 
 
 class Scheduler:
@@ -86,6 +99,10 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         return not self._waiting and not self._running
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.block_manager.num_blocks - self.block_manager.num_free_blocks
 
     def _blocks(self, seq: SequenceState, k: int) -> tuple[int, int]:
         """(private blocks, affix blocks) the sequence holds while it runs with K anchors."""
@@ -141,7 +158,7 @@ class Scheduler:
         for seq in self._finished_last_step:  # the affix was kept for this admission only
             self.release_affix(seq)
         self._finished_last_step = []
-        plan = Plan([s for s in admitted if s.affix_is_new], [], [], [])
+        plan = Plan([s for s in admitted if s.affix_is_new], [], [], [], self.blocks_in_use)
         for seq in self._running:
             if seq.needs_probe:
                 plan.probe.append(seq)
@@ -157,6 +174,9 @@ class Scheduler:
 
         eos: with early stop, the end-of-text id (a finished block all of it ends the request).
         """
+        if out.forward_tokens is not None:
+            for seq, n in zip(plan.segments, out.forward_tokens):
+                seq.forward_tokens += int(n)
         if out.ranking is not None:
             for seq, order, covering in zip(plan.probe, *out.ranking):
                 self._set_anchors(seq, order[:int(covering.clip(seq.min_anchors, seq.num_anchors))])

@@ -13,11 +13,14 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Hashable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from acache_jax.layout import Request, RequestError, Row
+
+if TYPE_CHECKING:
+    from acache_jax.kv import AffixCache
 
 Policy = Literal["acache", "baseline"]
 POLICIES = ("acache", "baseline")
@@ -65,6 +68,7 @@ class SequenceState:
         self.min_anchors = 0  # an adaptive budget's lower bound (= K under a fixed one)
         self.private_blocks: list[int] = []
         self.affix_is_new = False  # this admission allocated the affix blocks: the runner must fill them
+        self.affix_source: AffixCache | list[int] | None = None  # what the runner fills the affix blocks from
         self._private_slots: np.ndarray | None = None  # [T - L + K] (baseline: [T])
         self._shared_slots: np.ndarray | None = None  # [L]
         self._anchors: np.ndarray | None = None  # [K] affix-relative, sorted
@@ -73,11 +77,14 @@ class SequenceState:
     @classmethod
     def from_request(cls, request_id: Hashable, request: Request, affix: list[int] | None, gen_length: int,
                      block_length: int, mask_id: int, policy: Policy = "acache",
-                     affix_key: Hashable | None = None) -> SequenceState:
-        """The request's row with its affix placed; the affix key defaults to the affix ids."""
+                     affix_cache: AffixCache | None = None) -> SequenceState:
+        """The request's row with its affix placed, keyed by the affix ids; the affix's shared pages
+        are filled from `affix_cache` when one was built beforehand, else computed from the ids."""
         row = request.row(affix or [], gen_length, mask_id)
-        key = (tuple(affix) if affix_key is None else affix_key) if row.affix_len else None
-        return cls(request_id, row, block_length, key, policy, request.seed, mask_id)
+        seq = cls(request_id, row, block_length, tuple(affix) if row.affix_len else None, policy, request.seed,
+                  mask_id)
+        seq.affix_source = (affix_cache if affix_cache is not None else list(affix)) if row.affix_len else None
+        return seq
 
     def _validate(self) -> None:
         def fail(msg):

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from acache_jax import compile_cache
 from acache_jax.checkpoint import load
+from acache_jax.cli import DEFAULT_MODEL, Parser, add_compile_cache, positive, threshold
 from acache_jax.config import ATTENTION_BACKENDS, InputError
 from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
-from acache_jax.generate import DEFAULT_MODEL, _add_compile_cache, _Parser, _positive, _threshold
 from acache_jax.serve.limits import Lifecycle, Limits, graceful_server, header_timeout_protocol
 
 if TYPE_CHECKING:
@@ -50,37 +50,37 @@ def _seconds(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m acache_jax.serve", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m acache_jax.serve", description=__doc__.splitlines()[0])
     unset = argparse.SUPPRESS
     p.add_argument("--model", type=Path, help="converted or HF LLaDA/Dream directory (default: the shipped model)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the directory's name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="weights dtype (default: as stored)")
-    p.add_argument("--gen-length", type=_positive, default=unset, help="default max_tokens (default: the model's)")
-    p.add_argument("--block-length", type=_positive, default=unset, help="decoding block (default: the model's)")
-    p.add_argument("--threshold", type=_threshold, default=unset, help="confidence threshold or 'none'")
-    p.add_argument("--steps", type=_positive, default=unset, help="fixed-schedule steps over --gen-length")
+    p.add_argument("--gen-length", type=positive, default=unset, help="default max_tokens (default: the model's)")
+    p.add_argument("--block-length", type=positive, default=unset, help="decoding block (default: the model's)")
+    p.add_argument("--threshold", type=threshold, default=unset, help="confidence threshold or 'none'")
+    p.add_argument("--steps", type=positive, default=unset, help="fixed-schedule steps over --gen-length")
     p.add_argument("--cache", choices=list(ENGINE_POLICIES), default="acache", help="default cache policy")
     p.add_argument("--anchor-ratio", type=float, default=unset, help="acache: anchors per affix token")
     p.add_argument("--no-early-stop", dest="early_stop", action="store_false",
                    help="compute every block, even once the answer has ended (measurements)")
     p.add_argument("--backend", choices=ATTENTION_BACKENDS, help="attention backend (default: pallas on a GPU)")
-    p.add_argument("--max-batch", type=_positive, default=16, help="requests decoded together per engine")
-    p.add_argument("--pool-tokens", type=_positive, help="KV pool per engine in tokens (default: batch x context)")
-    p.add_argument("--max-engines", type=_positive, default=4, help="distinct decoding settings served at once")
-    p.add_argument("--max-queue", type=_positive, default=256, help="requests queued or running; more get 429")
+    p.add_argument("--max-batch", type=positive, default=16, help="requests decoded together per engine")
+    p.add_argument("--pool-tokens", type=positive, help="KV pool per engine in tokens (default: batch x context)")
+    p.add_argument("--max-engines", type=positive, default=4, help="distinct decoding settings served at once")
+    p.add_argument("--max-queue", type=positive, default=256, help="requests queued or running; more get 429")
     p.add_argument("--no-discovery", dest="discovery", action="store_false", help="serve declared affixes only")
-    p.add_argument("--affix-min-count", type=_positive, default=2, help="requests a span must recur in")
-    p.add_argument("--affix-min-tokens", type=_positive, default=64, help="tokens a discovered span must have")
-    p.add_argument("--affix-memory-mb", type=_positive, default=1024, help="budget of the stored affix caches")
+    p.add_argument("--affix-min-count", type=positive, default=2, help="requests a span must recur in")
+    p.add_argument("--affix-min-tokens", type=positive, default=64, help="tokens a discovered span must have")
+    p.add_argument("--affix-memory-mb", type=positive, default=1024, help="budget of the stored affix caches")
     p.add_argument("--warmup-tokens", type=_non_negative, default=0,
                    help="compile every program of steps up to this many tokens at start (on a GPU: about "
                         "max batch x prompt + answer tokens; 0: compile as requests first need them)")
     p.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
                    help="seconds running requests get at SIGTERM; those still running then get a 503")
     limits = Limits()
-    p.add_argument("--max-body-bytes", type=_positive, default=limits.max_body_bytes,
+    p.add_argument("--max-body-bytes", type=positive, default=limits.max_body_bytes,
                    help="largest request body; a larger one gets 413 (default: %(default)s)")
     p.add_argument("--header-timeout", type=_seconds, default=limits.header_timeout,
                    help="seconds a request's headers may take from its first byte; then the connection is "
@@ -88,16 +88,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--body-timeout", type=_seconds, default=limits.body_timeout,
                    help="seconds a request's body may take after its headers; then 408 and the connection is "
                         "closed (default: %(default)s)")
-    p.add_argument("--max-header-bytes", type=_positive, default=limits.max_header_bytes,
+    p.add_argument("--max-header-bytes", type=positive, default=limits.max_header_bytes,
                    help="largest request head (request line and headers; h11, the HTTP parser installed by "
                         "default); larger: 400 (default: %(default)s)")
-    p.add_argument("--keep-alive-timeout", type=_positive, default=limits.keep_alive_timeout,
+    p.add_argument("--keep-alive-timeout", type=positive, default=limits.keep_alive_timeout,
                    help="seconds an idle keep-alive connection is kept (default: %(default)s)")
-    p.add_argument("--max-model-len", type=_positive, help="most prompt + generated tokens of a request (default and "
+    p.add_argument("--max-model-len", type=positive, help="most prompt + generated tokens of a request (default and "
                                                            "at most: the model's context)")
-    p.add_argument("--max-prompt-tokens", type=_positive,
+    p.add_argument("--max-prompt-tokens", type=positive,
                    help="most prompt tokens (affix and tail included; default: what the context leaves)")
-    _add_compile_cache(p)
+    add_compile_cache(p)
     return p
 
 

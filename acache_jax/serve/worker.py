@@ -134,7 +134,7 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            busy = any(not e.scheduler.idle for e in self.engines.values())
+            busy = any(e.has_unfinished() for e in self.engines.values())
             try:
                 command = self._inbox.get(block=not busy)
             except queue.Empty:
@@ -152,7 +152,7 @@ class Worker:
             if commanded:
                 self._publish()  # what the commands changed (a cancel, a refusal) shows before the next step
             for key in list(self.engines):
-                if not self.engines[key].scheduler.idle:
+                if self.engines[key].has_unfinished():
                     self._step(key)
             self._publish()
 
@@ -204,7 +204,7 @@ class Worker:
             if config != kept:
                 others = [k for k in self.engines if k != kept]
                 if len(others) >= limit - (kept is not None):
-                    idle = next((k for k in others if self.engines[k].scheduler.idle), None)
+                    idle = next((k for k in others if not self.engines[k].has_unfinished()), None)
                     if idle is None:
                         advice = ("; retry shortly, or leave the decoding knobs out to run on the server's defaults "
                                   "(one engine is kept for them)") if kept is not None else "; retry shortly"
@@ -267,8 +267,8 @@ class Worker:
             self._progress(live, res.tokens, final=True, nfe=res.nfe, anchors=len(res.anchors))
         for live in by_rid.values():
             self._progress(live, engine.partial(live.rid), final=False)
-        if engine.scheduler.idle:
-            engine.scheduler.drain()  # the last finished requests' affixes leave the pool now
+        if not engine.has_unfinished():
+            engine.drain()  # the last finished requests' affixes leave the pool now
 
     def _progress(self, live: _Live, tokens: Any, final: bool, nfe: int | None = None, anchors: int = 0) -> None:
         """Stream a request's new final text; finish it when its answer is complete."""
@@ -326,7 +326,7 @@ class Worker:
             self.counters["cancelled"] += 1
             live.emit(("error", ApiError(503, "the server is shutting down")))
         for engine in self.engines.values():
-            engine.scheduler.drain()
+            engine.drain()
         self._publish()
         used = self.snapshot["pool_blocks_used"]
         print(f"acache_jax.serve: stopped; {used:.0f} KV blocks left allocated", file=sys.stderr, flush=True)
@@ -336,16 +336,16 @@ class Worker:
     def _publish(self) -> None:
         """Numbers for /metrics, replaced whole (the HTTP side reads it without a lock)."""
         engines = list(self.engines.values())
-        bms = [e.block_manager for e in engines]
+        usage = [e.usage() for e in engines]
         snap = {f"requests_{k}_total": float(self.counters[k]) for k in
                 ("finished", "cancelled", "failed", "rejected", "answered_early")}
         snap |= {f"{k}_total": float(self.counters[k]) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
         snap |= {"affix_builds_discovered_total": float(self.counters["affix_builds_discovered"]),
                  "affix_builds_declared_total": float(self.counters["affix_builds_declared"]),
-                 "requests_running": float(sum(len(e.scheduler.running) for e in engines)),
-                 "requests_waiting": float(sum(len(e.scheduler.waiting) for e in engines)),
-                 "pool_blocks_used": float(sum(b.num_blocks - b.num_free_blocks for b in bms)),
-                 "pool_blocks_capacity": float(sum(b.num_blocks for b in bms)),
+                 "requests_running": float(sum(u.running for u in usage)),
+                 "requests_waiting": float(sum(u.waiting for u in usage)),
+                 "pool_blocks_used": float(sum(u.blocks_in_use for u in usage)),
+                 "pool_blocks_capacity": float(sum(u.blocks for u in usage)),
                  "engines": float(len(engines)),
                  "engine_iterations_total": float(self.counters["engine_iterations"]),
                  "affix_caches": float(len(self.store)), "affix_cache_bytes": float(self.store.nbytes),
