@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from acache_jax import compile_cache
 from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
 from acache_jax.files import partial_name, remove_stale_partials
-from acache_jax.hf_checkpoint import READ_AHEAD_BYTES, CheckpointError, iter_tensors
+from acache_jax.hf_checkpoint import READ_AHEAD_BYTES, CheckpointError, iter_tensors, stored_dtype
 from acache_jax.model import Model, abstract_transformer
 from acache_jax.sharding import is_kv_projection, kv_copies, param_sharding, place_param, sharded_config
 from acache_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -194,8 +194,7 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
 
 def _read_hf(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:
     if dtype is None:
-        torch_dtype = read_json(path / "config.json").get("torch_dtype")
-        dtype = "bfloat16" if torch_dtype == "bfloat16" else "float32"
+        dtype = stored_dtype(path, cfg)
     return _unstring_layers(_nest(read_hf(path, cfg, DTYPES[_dtype_name(dtype)], mesh)))
 
 

@@ -28,6 +28,25 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 # model_type in config.json -> our family name.
 _FAMILIES: dict[str, Family] = {"llada": "llada", "Dream": "dream"}
+# Other diffusion LMs, by config.json's architectures entry or model_type: refused by name, before any
+# field or tensor is read (LLaDA-MoE even shares model_type "llada").
+LOOK_ALIKES = {
+    "LLaDAMoEModelLM": "LLaDA-MoE (a mixture-of-experts model)",
+    "lladamoe": "LLaDA-MoE (a mixture-of-experts model)",
+    "LLaDA2MoeModelLM": "LLaDA2.x (a mixture-of-experts block-diffusion model)",
+    "llada2_moe": "LLaDA2.x (a mixture-of-experts block-diffusion model)",
+    "LlavaLLaDAModelLM": "LLaDA-V (LLaDA with a vision tower)",
+    "llava_llada": "LLaDA-V (LLaDA with a vision tower)",
+    "SDARForCausalLM": "SDAR / TraDo (block diffusion with causal attention across blocks)",
+    "sdar": "SDAR / TraDo (block diffusion with causal attention across blocks)",
+    "Fast_dLLM_QwenForCausalLM": "Fast-dLLM v2 (block-causal attention with a token shift)",
+    "Fast_dLLM_Qwen": "Fast-dLLM v2 (block-causal attention with a token shift)",
+    "DiffusionGemmaForBlockDiffusion": "DiffusionGemma (a mixture-of-experts model denoising without a mask token)",
+    "diffusion_gemma": "DiffusionGemma (a mixture-of-experts model denoising without a mask token)",
+    "NemotronLabsDiffusionModel": "Nemotron-Labs Diffusion",
+    "nemotron_labs_diffusion": "Nemotron-Labs Diffusion",
+}
+SUPPORTED = "this library runs the LLaDA (LLaDAModelLM) and Dream (DreamModel) architectures"
 
 # Upstream options that would change the computation; each must hold the value we implement
 # (the exporter writes them, the reader checks them).
@@ -98,6 +117,16 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type")
+        architectures = hf.get("architectures") if isinstance(hf.get("architectures"), list) else []
+        for name in [*map(str, architectures), str(model_type)]:
+            if name in LOOK_ALIKES:
+                raise ConfigError(f"config.json describes {LOOK_ALIKES[name]} ({name}), which is not supported: "
+                                  f"{SUPPORTED}")
+        quantized = next((k for k in ("quantization_config", "quantization") if hf.get(k)), None)
+        if quantized:
+            method = hf[quantized].get("quant_method", "MLX") if isinstance(hf[quantized], dict) else "?"
+            raise ConfigError(f"config.json describes quantized weights ({quantized}: {method}), which are not "
+                              "supported: load the bf16 checkpoint it was made from")
         if model_type not in _FAMILIES:
             raise ConfigError(
                 f"unknown model_type {model_type!r} in config.json; supported: {sorted(_FAMILIES)}"

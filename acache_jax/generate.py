@@ -26,7 +26,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from jax.sharding import Mesh
 
@@ -40,10 +40,12 @@ from acache_jax.engine import Engine
 from acache_jax.engine.engine import check_engine_config
 from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_affix, check_request, token_ids
 from acache_jax.model import Model, check_text
+from acache_jax.sampling import DreamAlg, Remasking
 from acache_jax.sharding import initialize_distributed, make_mesh
 
 # Per-request keys of --input lines that map onto DecodeConfig fields.
-DECODE_KEYS = ("gen_length", "block_length", "steps", "threshold", "factor", "temperature", "cache",
+DECODE_KEYS = ("gen_length", "block_length", "steps", "threshold", "factor", "temperature", "remasking", "alg",
+               "alg_temp", "top_p", "top_k", "cache",
                "anchor_ratio", "anchor_mass", "anchor_min_ratio", "selector", "drop_non_anchor", "early_stop")
 # The other keys of an --input line, with the type each must have.
 REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "affix": str, "affix_ids": list, "prompt_tail": str,
@@ -90,6 +92,13 @@ def parser() -> argparse.ArgumentParser:
                    help="confidence threshold, or 'none' for the fixed schedule (default: the model's)")
     p.add_argument("--factor", type=float, default=unset, help="Fast-dLLM factor rule instead of the threshold")
     p.add_argument("--temperature", type=float, default=unset)
+    p.add_argument("--remasking", choices=get_args(Remasking), default=unset,
+                   help="LLaDA: which proposals a fixed-schedule step commits (default: the model's)")
+    p.add_argument("--alg", choices=get_args(DreamAlg), default=unset,
+                   help="Dream: the confidence a step ranks proposals by (default: the model's)")
+    p.add_argument("--alg-temp", type=float, default=unset, help="Dream: temperature of that ranking")
+    p.add_argument("--top-p", type=float, default=unset, help="Dream: nucleus sampling")
+    p.add_argument("--top-k", type=positive, default=unset, help="Dream: top-k sampling")
     p.add_argument("--cache", choices=CACHE_POLICIES, default=unset,
                    help="none | prefix | dual (Fast-dLLM) | acache (anchors recomputed) | direct (affix cache as is)")
     p.add_argument("--anchor-ratio", type=float, default=unset,
@@ -246,11 +255,20 @@ class _Job:
     request: Request
 
 
+# Sampling settings of one family only (the other family's sampler never reads them).
+FAMILY_KEYS = {"remasking": "llada", "alg": "dream", "alg_temp": "dream", "top_p": "dream", "top_k": "dream"}
+
+
 def _check_settings(req: dict[str, Any], settings: dict[str, Any], affix: list[int] | None,
-                    config: DecodeConfig) -> None:
+                    config: DecodeConfig, family: str) -> None:
     """Settings that would otherwise be dropped without a word: a factor and a threshold are two
-    rules for the same choice (the factor would win), and an anchor mass only shapes the anchors of
-    `acache` with an affix."""
+    rules for the same choice (the factor would win), an anchor mass only shapes the anchors of
+    `acache` with an affix, and a sampling setting of the other family is never read."""
+    other = next((k for k in FAMILY_KEYS if k in settings and FAMILY_KEYS[k] != family), None)
+    if other is not None:
+        names = {"llada": "LLaDA", "dream": "Dream"}
+        raise InputError(f"{_name(req, other)} is a setting of {names[FAMILY_KEYS[other]]} models' sampler; "
+                         f"this model is a {names[family]} model")
     if settings.get("factor") is not None and "threshold" in settings:
         raise InputError(f"{_name(req, 'factor')} and {_name(req, 'threshold')} are two rules for which tokens a "
                          "step commits; give one")
@@ -267,7 +285,7 @@ def _job(model: Model, args: argparse.Namespace, flags: dict[str, Any], req: dic
     if args.engine:
         check_engine_config(config)
     prompt, affix, tail = _encode(req, args, model)
-    _check_settings(req, settings, affix, config)
+    _check_settings(req, settings, affix, config, model.config.family)
     affix = None if affix is None else check_affix(affix, model.config)
     position = _field(req, args, "affix_position")
     request = Request(prompt, tail=tail, affix_position=position or ("prefix" if affix is not None else None),

@@ -198,6 +198,14 @@ def checked_tensors(src: str | Path, cfg: ModelConfig) -> list[tuple[Entry, _Ten
     return [(expected[k], headers[k]) for k in sorted(expected, key=lambda k: (headers[k].file, headers[k].offset))]
 
 
+def stored_dtype(src: str | Path, cfg: ModelConfig) -> str:
+    """The dtype the checkpoint's weights are stored in, as we hold them: "bfloat16" when every tensor
+    is BF16, else "float32" (which holds F16, F32 and F64 weights exactly). From the headers: LLaDA's
+    published config.json names no torch_dtype, and its weights are BF16."""
+    dtypes = {info.dtype for _, info in checked_tensors(src, cfg)}
+    return "bfloat16" if dtypes == {"BF16"} else "float32"
+
+
 READ_AHEAD_BYTES = 512 << 20  # host memory the reads may run ahead of their consumer (at least one tensor)
 READ_THREADS = 4  # page-cache copies and disk queues go faster several at a time
 

@@ -246,8 +246,9 @@ def check_text(text: Any, what: str = "text") -> str:
     return text
 
 
-# End-of-turn tokens of the families' chat templates: generated text ends at the first of them.
-CHAT_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
+# Generated text ends at the first of these: the end-of-turn tokens of the families' chat templates,
+# and DiffuCoder-Instruct's pad token, which fills the generation after its answer.
+CHAT_END_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|dlm_pad|>")
 
 
 @dataclasses.dataclass(frozen=True)

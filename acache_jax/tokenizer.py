@@ -15,6 +15,7 @@ get the "PyTorch was not found" line on stderr; other transformers messages are 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,10 +74,25 @@ def load_tokenizer(path: str | Path) -> Any | None:
     """
     path = Path(path)
     if (path / "tokenizer.json").is_file():
-        return _load_fast(path)
-    if (path / "vocab.json").is_file() or (path / "merges.txt").is_file():
-        return _load_byte_level_bpe(path)
-    return None
+        tokenizer = _load_fast(path)
+    elif (path / "vocab.json").is_file() or (path / "merges.txt").is_file():
+        tokenizer = _load_byte_level_bpe(path)
+    else:
+        return None
+    _drop_unusable_chat_template(tokenizer)
+    return tokenizer
+
+
+def _drop_unusable_chat_template(tokenizer: Any) -> None:
+    """Forget a chat template whose turn markers (`<|...|>` literals) are not tokens of this vocabulary:
+    applied, it would spell each marker out as text. LLaDA-8B-Base ships Instruct's template without
+    Instruct's marker tokens, and its authors prompt it with plain text; so do we."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return
+    vocab = tokenizer.get_vocab()
+    if any(marker not in vocab for marker in set(re.findall(r"<\|[^|<>\s]+\|>", template))):
+        tokenizer.chat_template = None
 
 
 def _read_json(file: Path) -> dict:

@@ -1,5 +1,7 @@
-"""HF snapshots of GSAI-ML/LLaDA-8B-Instruct and Dream-org/Dream-v0-Instruct-7B in their exact published
-file layouts, with random weights: `write_snapshot(directory, "llada" | "dream", layers=..., hidden=...)`.
+"""HF snapshots of the published LLaDA and Dream checkpoints in their exact file layouts, with random
+weights: `write_snapshot(directory, "llada" | "dream" | a checkpoint of CHECKPOINTS, layers=..., hidden=...)`.
+What follows describes the two each family is built on (LLaDA-8B-Instruct, Dream-v0-Instruct-7B);
+`CHECKPOINTS` says, per checkpoint, how its files differ and where each fact was read.
 
 Why: no model hub is reachable from where the tests and the real-scale check (eval/real_scale.py) run, and
 the checkpoints are 15-16 GB. Loading, converting, tokenizing and serving must still be exercised on what a
@@ -74,6 +76,7 @@ config.json is written last: a directory with a config.json holds a complete sna
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -116,12 +119,15 @@ LLADA_GENERATION_CONFIG: dict[str, Any] = {
 LLADA_FIRST_ADDED_ID = 126080  # ids 0..126079 are the BPE vocabulary, then 269 added tokens
 
 
-def _llada_added_tokens() -> list[str]:
-    """The added tokens in id order from 126080 (all special): <|mdm_mask|> takes reserved token 252's place."""
+def _llada_added_tokens(chat_markers: bool = True) -> list[str]:
+    """The added tokens in id order from 126080 (all special): <|mdm_mask|> takes reserved token 252's place.
+    chat_markers: the chat template's three markers at 126346..126348 (Instruct and 1.5; Base lacks them)."""
     tokens = ["<|startoftext|>", "<|endoftext|>", "[CLS]", "[gMASK]"]
     tokens += [f"<|reserved_token_{k}|>" for k in range(256)]
     tokens += ["<role>", "</role>", "<|arithmetic_start|>", "<|arithmetic_end|>", "<|number_start|>",
-               "<|number_end|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+               "<|number_end|>"]
+    if chat_markers:
+        tokens += ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
     tokens[126336 - LLADA_FIRST_ADDED_ID] = "<|mdm_mask|>"
     return tokens
 
@@ -153,11 +159,22 @@ def _llada_special_tokens_map() -> dict[str, Any]:
             "cls_token": _named("[CLS]"), "eos_token": _named("<|endoftext|>"), "pad_token": _named("<|endoftext|>")}
 
 
-def _llada_tokenizer_config() -> dict[str, Any]:
+def _llada_base_special_tokens_map() -> bytes:
+    """LLaDA-8B-Base's special_tokens_map.json as published: Instruct's with "<|mdm_mask|>" first in
+    additional_special_tokens and no comma after it, so NOT valid JSON (transformers never reads the
+    file when tokenizer_config.json declares the added tokens, so the model loads there)."""
+    text = _json(_llada_special_tokens_map(), 2, True).decode()
+    opening = '"additional_special_tokens": [\n'
+    return text.replace(opening, opening + '    "<|mdm_mask|>"\n', 1).encode()
+
+
+def _llada_tokenizer_config(chat_markers: bool = True) -> dict[str, Any]:
+    added = _llada_added_tokens(chat_markers)
+    extra = LLADA_EXTRA_SPECIAL if chat_markers else ["<|mdm_mask|>", *LLADA_EXTRA_SPECIAL]
     return {
         "add_bos_token": False, "add_eos_token": False,
-        "added_tokens_decoder": {str(LLADA_FIRST_ADDED_ID + i): _added(t) for i, t in enumerate(_llada_added_tokens())},
-        "additional_special_tokens": LLADA_EXTRA_SPECIAL, "bos_token": "<|startoftext|>",
+        "added_tokens_decoder": {str(LLADA_FIRST_ADDED_ID + i): _added(t) for i, t in enumerate(added)},
+        "additional_special_tokens": extra, "bos_token": "<|startoftext|>",
         "chat_template": LLADA_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False, "cls_token": "[CLS]",
         "eos_token": "<|endoftext|>", "fast_tokenizer": True, "gmask_token": "[gMASK]", "merges_file": None,
         "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 1000000000000000019884624838656,
@@ -222,23 +239,34 @@ DREAM_CHAT_TEMPLATE = (
 )
 
 
-def _dream_special_tokens_map() -> dict[str, Any]:
+DLM_PAD = "<|dlm_pad|>"  # DiffuCoder-Instruct's pad token, after <|mask|>: the fill after an answer
+
+
+def _dream_added(dlm_pad: bool) -> list[tuple[str, bool]]:
+    return [*DREAM_ADDED, (DLM_PAD, True)] if dlm_pad else DREAM_ADDED
+
+
+def _dream_special_tokens_map(dlm_pad: bool = False) -> dict[str, Any]:
     return {"additional_special_tokens": ["<|beginoftext|>", "<|mask|>"], "bos_token": _named("<|beginoftext|>"),
             "eos_token": _named("<|endoftext|>"), "mask_token": _named("<|mask|>"),
-            "pad_token": _named("<|endoftext|>")}
+            "pad_token": _named(DLM_PAD if dlm_pad else "<|endoftext|>")}
 
 
-def _dream_tokenizer_config() -> dict[str, Any]:
-    return {
+def _dream_tokenizer_config(dlm_pad: bool = False, template_file: bool = False) -> dict[str, Any]:
+    config = {
         "add_bos_token": False, "add_prefix_space": False,
-        "added_tokens_decoder": {str(DREAM_FIRST_ADDED_ID + i): _added(t, s) for i, (t, s) in enumerate(DREAM_ADDED)},
+        "added_tokens_decoder": {str(DREAM_FIRST_ADDED_ID + i): _added(t, s)
+                                 for i, (t, s) in enumerate(_dream_added(dlm_pad))},
         "additional_special_tokens": ["<|beginoftext|>", "<|mask|>"],
         "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
         "bos_token": "<|beginoftext|>", "chat_template": DREAM_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
         "eos_token": "<|endoftext|>", "errors": "replace", "mask_token": "<|mask|>", "model_max_length": 131072,
-        "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "DreamTokenizer",
-        "unk_token": None,
+        "pad_token": DLM_PAD if dlm_pad else "<|endoftext|>", "split_special_tokens": False,
+        "tokenizer_class": "DreamTokenizer", "unk_token": None,
     }
+    if template_file:  # the template ships as chat_template.jinja instead
+        del config["chat_template"]
+    return config
 
 
 # -- vocabularies ------------------------------------------------------------------------------------
@@ -302,8 +330,9 @@ def _vocab(size: int, pinned: dict[str, int], merges: list[tuple[str, str]]) -> 
     return vocab
 
 
-def _llada_tokenizer_json(path: Path) -> None:
-    """tokenizer.json: byte-level BPE of 126080 tokens, then the 269 added tokens at 126080..126348."""
+def _llada_tokenizer_json(path: Path, chat_markers: bool = True) -> None:
+    """tokenizer.json: byte-level BPE of 126080 tokens, then the 269 added tokens at 126080..126348
+    (Base: 266, without the chat markers)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     tokenizer = Tokenizer(models.BPE(vocab=_vocab(LLADA_FIRST_ADDED_ID, LLADA_PINNED, LLADA_MERGES),
@@ -315,8 +344,8 @@ def _llada_tokenizer_json(path: Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)  # adds no BOS, as the real one
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False, lstrip=False, rstrip=False,
-                                             single_word=False) for t in _llada_added_tokens()])
-    if tokenizer.get_vocab_size(with_added_tokens=True) != LLADA_FIRST_ADDED_ID + len(_llada_added_tokens()):
+                                             single_word=False) for t in _llada_added_tokens(chat_markers)])
+    if tokenizer.get_vocab_size(with_added_tokens=True) != LLADA_FIRST_ADDED_ID + len(_llada_added_tokens(chat_markers)):
         raise AssertionError("the LLaDA added tokens did not land at their real ids")
     tokenizer.save(str(path))
 
@@ -327,7 +356,6 @@ def _llada_tokenizer_json(path: Path) -> None:
 class _Family:
     """What differs between the two layouts."""
 
-    config: dict[str, Any]
     layers_key: str
     hidden_key: str
     intermediate_key: str
@@ -338,11 +366,11 @@ class _Family:
 
 
 FAMILIES: dict[str, _Family] = {
-    "llada": _Family(LLADA_CONFIG, "n_layers", "d_model", "mlp_hidden_size", "n_heads", 6, 3 * 10**9,
+    "llada": _Family("n_layers", "d_model", "mlp_hidden_size", "n_heads", 6, 3 * 10**9,
                      {"config.json": (2, False), "generation_config.json": (4, False),
                       "special_tokens_map.json": (2, True), "tokenizer_config.json": (2, True),
                       INDEX_FILE: (2, False)}),
-    "dream": _Family(DREAM_CONFIG, "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+    "dream": _Family("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                      4, 5 * 10**9,
                      {"config.json": (2, True), "generation_config.json": (2, True),
                       "special_tokens_map.json": (2, True), "tokenizer_config.json": (2, True),
@@ -350,12 +378,90 @@ FAMILIES: dict[str, _Family] = {
 }
 
 
-def _config(family: str, layers: int | None, hidden: int | None, intermediate: int | None) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """One published checkpoint: its family's layout with its own files. `sources` says where each
+    fact was read and what is modelled (a file no public copy holds is written as its sibling's)."""
+
+    repo: str
+    family: Family
+    config: dict[str, Any]  # config.json at the published size, keys in the published order
+    generation_config: dict[str, Any]
+    sources: str
+    layer_major: bool = False  # LLaDA: tensors saved block by block (1.5), not kind by kind (8B)
+    chat_markers: bool = True  # LLaDA: the chat template's markers are tokens (Base: they are not)
+    dlm_pad: bool = False  # Dream: DiffuCoder-Instruct's <|dlm_pad|> at 151667, the tokenizer's pad
+    template_file: bool = False  # Dream: the chat template ships as chat_template.jinja (DiffuCoder)
+    extra_code: tuple[str, ...] = ()  # further code files of the repository (written as stubs)
+
+
+DIFFUCODER_CONFIG = {k: v for k, v in DREAM_CONFIG.items() if k != "_name_or_path"} | {
+    "transformers_version": "4.51.3", "use_cache": False}
+DREAM_CODER_CONFIG = {k: v for k, v in DREAM_CONFIG.items() if k not in ("_name_or_path", "use_mrope")} | {
+    "bos_token_id": 151665, "max_position_embeddings": 32768}
+_DREAM_GENERATION = {k: v for k, v in DREAM_GENERATION_CONFIG.items() if k != "transformers_version"}
+
+CHECKPOINTS: dict[str, Checkpoint] = {ck.repo: ck for ck in [
+    Checkpoint("GSAI-ML/LLaDA-8B-Instruct", "llada", LLADA_CONFIG, LLADA_GENERATION_CONFIG,
+               "every JSON file and the index: two byte-identical public copies (see the module docstring)"),
+    Checkpoint("GSAI-ML/LLaDA-8B-Base", "llada", LLADA_CONFIG, LLADA_GENERATION_CONFIG,
+               "config.json, generation_config.json and the index are Instruct's (their sha256 digests, recorded "
+               "for revision 0f2787f2 by third-party provenance code, equal Instruct's); tokenizer_config.json is "
+               "Instruct's without the chat markers 126346..126348 and with <|mdm_mask|> first in "
+               "additional_special_tokens, special_tokens_map.json the same insertion without its comma (both "
+               "rebuilt byte for byte to the recorded digests); the chat template is Instruct's string, whose "
+               "markers are no tokens here: upstream feeds Base raw text",
+               chat_markers=False),
+    Checkpoint("GSAI-ML/LLaDA-1.5", "llada", LLADA_CONFIG,
+               {**LLADA_GENERATION_CONFIG, "transformers_version": "4.46.3"},
+               "the index (its shard split, reproduced here by saving block by block at HF's 3e9-byte limit) from "
+               "a public copy whose shard byte sums match a third-party probe's file sizes of revision 84346fd9; "
+               "the architecture, special ids and tokenizer length (126349) from that probe and from "
+               "Megatron-Bridge's LLaDA-1.5 bridge. Modelled: config.json and the tokenizer files as Instruct's "
+               "(no unedited public copy), generation_config.json from a copy that may be edited",
+               layer_major=True),
+    Checkpoint("Dream-org/Dream-v0-Instruct-7B", "dream", DREAM_CONFIG, DREAM_GENERATION_CONFIG,
+               "every JSON file, vocab.json, merges.txt and the index: one public copy (see the module docstring)"),
+    Checkpoint("Dream-org/Dream-v0-Base-7B", "dream", DREAM_CONFIG, DREAM_GENERATION_CONFIG,
+               "its special tokens (pad and eos <|endoftext|> 151643, bos <|beginoftext|> 151665) from an lm-eval "
+               "log of revision 6572adb5. Modelled: every file as Instruct's (no public copy of its config or "
+               "tokenizer files was found)"),
+    Checkpoint("apple/DiffuCoder-7B-Instruct", "dream", DIFFUCODER_CONFIG,
+               {**_DREAM_GENERATION, "transformers_version": "4.51.3"},
+               "config.json verbatim (the hub's blob page); the file list (chat_template.jinja, no tokenizer.json, "
+               "zero_to_fp32.py) from a download log of revision b7b61c3e; <|dlm_pad|> = 151667 as the tokenizer's "
+               "pad from the model card (a new pad token), third-party notes and added_tokens.json's size (one "
+               "entry more than Dream's). Modelled: tokenizer_config.json and special_tokens_map.json as Dream's "
+               "with that pad, chat_template.jinja as Dream's template (the same size), generation_config.json "
+               "as Dream's with this version",
+               dlm_pad=True, template_file=True, extra_code=("zero_to_fp32.py",)),
+    Checkpoint("apple/DiffuCoder-7B-cpGRPO", "dream", DIFFUCODER_CONFIG,
+               {**_DREAM_GENERATION, "transformers_version": "4.52.0.dev0"},
+               "generation_config.json verbatim (the hub's blob page, commit 36651e2); the file list as "
+               "DiffuCoder-Instruct's (added_tokens.json of the same size). Modelled: config.json (879 bytes, "
+               "not read) and the tokenizer files as DiffuCoder-Instruct's",
+               dlm_pad=True, template_file=True, extra_code=("zero_to_fp32.py",)),
+    Checkpoint("apple/DiffuCoder-7B-Base", "dream", DIFFUCODER_CONFIG,
+               dict(sorted({**_DREAM_GENERATION, "generation_kwargs": {}, "transformers_version": "4.53.0"}.items())),
+               "generation_config.json verbatim (the hub's blob page, commit 57fd279); added_tokens.json of "
+               "Dream's size (no <|dlm_pad|>) and chat_template.jinja from the file listing. Modelled: config.json "
+               "(873 bytes, not read) as DiffuCoder-Instruct's, the tokenizer files as Dream's",
+               template_file=True),
+    Checkpoint("Dream-org/Dream-Coder-v0-Instruct-7B", "dream", DREAM_CODER_CONFIG,
+               {"_from_model_config": True, "bos_token_id": 151665, "eos_token_id": 151643, "pad_token_id": 151643,
+                "transformers_version": "4.46.2"},
+               "config.json from a third-party copy of the repository (bos 151665, max_position_embeddings 32768, "
+               "no use_mrope; its size matches the hub listing), bos 151665 also from a third-party registry of "
+               "revision 5d9e88c7; generation_config.json: the only content of its listed size (147 bytes) with "
+               "those ids; added_tokens.json of Dream's size. Modelled: the tokenizer files as Dream's; the shard "
+               "split (the hub's is 4.78/4.91/4.91/0.63 GB) as Dream's"),
+]}
+
+
+def _config(ck: Checkpoint, layers: int | None, hidden: int | None, intermediate: int | None) -> dict[str, Any]:
     """The published config.json with the layer count and widths asked for (None: the published value)."""
-    if family not in FAMILIES:
-        raise ValueError(f"family must be 'llada' or 'dream', got {family!r}")
-    fam = FAMILIES[family]
-    config = dict(fam.config)
+    fam = FAMILIES[ck.family]
+    config = dict(ck.config)
     heads = config[fam.heads_key]
     for name, value in (("layers", layers), ("hidden", hidden), ("intermediate", intermediate)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -368,15 +474,21 @@ def _config(family: str, layers: int | None, hidden: int | None, intermediate: i
     if hidden is not None:
         config[fam.hidden_key] = hidden
         if intermediate is None:  # keep the published MLP ratio
-            intermediate = max(1, round(fam.config[fam.intermediate_key] * hidden / fam.config[fam.hidden_key]))
+            intermediate = max(1, round(ck.config[fam.intermediate_key] * hidden / ck.config[fam.hidden_key]))
     if intermediate is not None:
         config[fam.intermediate_key] = intermediate
     return config
 
 
-def _saved_order(family: str, names: set[str], layers: int) -> list[str]:
+def _saved_order(ck: Checkpoint, names: set[str], layers: int) -> list[str]:
     """The tensors in the order the published checkpoint was saved (see the module docstring)."""
-    if family == "llada":
+    family = ck.family
+    if family == "llada" and ck.layer_major:  # module order: wte, ln_f, each block's tensors, the LM head
+        parts = ["attn_out", "ff_out", "attn_norm", "ff_norm", "q_proj", "k_proj", "v_proj", "ff_proj", "up_proj"]
+        order = ["model.transformer.wte.weight", "model.transformer.ln_f.weight",
+                 *[f"model.transformer.blocks.{i}.{p}.weight" for i in range(layers) for p in parts],
+                 "model.transformer.ff_out.weight"]
+    elif family == "llada":
         block = "model.transformer.blocks.{}.{}.weight"
         per_type = lambda kind: [block.format(i, kind) for i in range(layers)]  # noqa: E731
         order = ["model.transformer.wte.weight", "model.transformer.ln_f.weight", *per_type("attn_out"),
@@ -440,11 +552,11 @@ class _Tensor:
         return 2 * int(np.prod(self.shape))
 
 
-def _plan(family: str, config: dict[str, Any]) -> list[tuple[str, list[_Tensor]]]:
+def _plan(ck: Checkpoint, config: dict[str, Any]) -> list[tuple[str, list[_Tensor]]]:
     """(shard file name, its tensors sorted by name) for every shard."""
-    fam = FAMILIES[family]
+    fam = FAMILIES[ck.family]
     entries = key_map(ModelConfig.from_hf(config))
-    order = _saved_order(family, set(entries), config[fam.layers_key])
+    order = _saved_order(ck, set(entries), config[fam.layers_key])
     tensors = [_Tensor(n, entries[n].hf_shape,
                        "norm" if len(entries[n].hf_shape) == 1 and not n.endswith(".bias") else "weight")
                for n in order]
@@ -464,29 +576,32 @@ def _json(value: Any, indent: int, newline: bool) -> bytes:
     return (json.dumps(value, indent=indent, ensure_ascii=False) + ("\n" if newline else "")).encode("utf-8")
 
 
-def _text_files(family: str, config: dict[str, Any], plan: list[tuple[str, list[_Tensor]]]) -> dict[str, bytes]:
+def _text_files(ck: Checkpoint, config: dict[str, Any], plan: list[tuple[str, list[_Tensor]]]) -> dict[str, bytes]:
     """Every file of the snapshot but the shards and LLaDA's tokenizer.json (written by the tokenizers
     library), as bytes. config.json comes last: it is written last."""
-    fam = FAMILIES[family]
-    if family == "llada":
-        content: dict[str, Any] = {"generation_config.json": LLADA_GENERATION_CONFIG,
+    fam, repo = FAMILIES[ck.family], ck.repo
+    if ck.family == "llada":
+        content: dict[str, Any] = {"generation_config.json": ck.generation_config,
                                    "special_tokens_map.json": _llada_special_tokens_map(),
-                                   "tokenizer_config.json": _llada_tokenizer_config()}
+                                   "tokenizer_config.json": _llada_tokenizer_config(ck.chat_markers)}
         code = ["configuration_llada.py", "modeling_llada.py"]
-        repo = "GSAI-ML/LLaDA-8B-Instruct"
     else:
         vocab = _vocab(DREAM_FIRST_ADDED_ID, DREAM_PINNED, DREAM_MERGES)
         content = {"added_tokens.json": {t: DREAM_FIRST_ADDED_ID + i for i, (t, _) in sorted(
-                       enumerate(DREAM_ADDED), key=lambda x: x[1][0])},
-                   "generation_config.json": DREAM_GENERATION_CONFIG,
-                   "special_tokens_map.json": _dream_special_tokens_map(),
-                   "tokenizer_config.json": _dream_tokenizer_config(),
+                       enumerate(_dream_added(ck.dlm_pad)), key=lambda x: x[1][0])},
+                   "generation_config.json": ck.generation_config,
+                   "special_tokens_map.json": _dream_special_tokens_map(ck.dlm_pad),
+                   "tokenizer_config.json": _dream_tokenizer_config(ck.dlm_pad, ck.template_file),
                    "vocab.json": dict(sorted(vocab.items()))}
         code = ["configuration_dream.py", "generation_utils.py", "modeling_dream.py", "tokenization_dream.py"]
-        repo = "Dream-org/Dream-v0-Instruct-7B"
+    code += ck.extra_code
     files = {name: _json(value, *fam.json_format[name]) for name, value in content.items()}
-    if family == "dream":
+    if ck.family == "llada" and not ck.chat_markers:
+        files["special_tokens_map.json"] = _llada_base_special_tokens_map()
+    if ck.family == "dream":
         files["merges.txt"] = ("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in DREAM_MERGES)).encode("utf-8")
+    if ck.template_file:
+        files["chat_template.jinja"] = DREAM_CHAT_TEMPLATE.encode()
     files[INDEX_FILE] = _json(_index(plan), *fam.json_format[INDEX_FILE])
     for name in code:
         files[name] = (f"raise RuntimeError({name!r} ' of a synthetic {repo} snapshot (eval/hf_snapshot.py): "
@@ -554,10 +669,22 @@ def _shard_writer(tensors: list[_Tensor], values: _Values) -> Callable[[Path], N
 
 # -- the entry point ---------------------------------------------------------------------------------
 
-def write_snapshot(directory: str | Path, family: Family, layers: int | None = None, hidden: int | None = None,
+def checkpoint(name: str) -> Checkpoint:
+    """A checkpoint of CHECKPOINTS by its repository ("GSAI-ML/LLaDA-1.5"), the repository's own name
+    ("LLaDA-1.5"), or a family ("llada", "dream": LLaDA-8B-Instruct, Dream-v0-Instruct-7B)."""
+    by_name = {**{ck.repo: ck for ck in CHECKPOINTS.values()},
+               **{ck.repo.split("/")[1]: ck for ck in CHECKPOINTS.values()},
+               "llada": CHECKPOINTS["GSAI-ML/LLaDA-8B-Instruct"], "dream": CHECKPOINTS["Dream-org/Dream-v0-Instruct-7B"]}
+    if name not in by_name:
+        raise ValueError(f"unknown checkpoint {name!r}; known: 'llada', 'dream', {sorted(CHECKPOINTS)}")
+    return by_name[name]
+
+
+def write_snapshot(directory: str | Path, name: str, layers: int | None = None, hidden: int | None = None,
                    intermediate: int | None = None, seed: int = 0) -> Path:
-    """Write an HF snapshot laid out as GSAI-ML/LLaDA-8B-Instruct (family "llada") or
-    Dream-org/Dream-v0-Instruct-7B ("dream") into `directory` (created if needed); returns it.
+    """Write an HF snapshot laid out as the checkpoint `name` (see `checkpoint`: "llada" is
+    GSAI-ML/LLaDA-8B-Instruct, "dream" Dream-org/Dream-v0-Instruct-7B) into `directory` (created if
+    needed); returns it.
 
     layers: the layer count (n_layers / num_hidden_layers); default the published one.
     hidden: the model width (d_model / hidden_size), a multiple of 2 x the published head count (LLaDA 64,
@@ -568,16 +695,18 @@ def write_snapshot(directory: str | Path, family: Family, layers: int | None = N
     snapshot, or someone else's); leftovers of an interrupted write are overwritten.
     """
     directory = Path(directory)
-    config = _config(family, layers, hidden, intermediate)
+    ck = checkpoint(name)
+    config = _config(ck, layers, hidden, intermediate)
     if (directory / "config.json").exists():
         raise FileExistsError(f"{directory} already holds a snapshot (config.json); refusing to overwrite it")
-    plan = _plan(family, config)
+    plan = _plan(ck, config)
     directory.mkdir(parents=True, exist_ok=True)
     values = _Values(seed, sum(t.nbytes // 2 for _, tensors in plan for t in tensors))
     for name, tensors in plan:
         write_atomic(directory / name, _shard_writer(tensors, values))
-    if family == "llada":
-        write_atomic(directory / "tokenizer.json", _llada_tokenizer_json)
-    for name, data in _text_files(family, config, plan).items():  # config.json last
-        write_atomic(directory / name, data)
+    if ck.family == "llada":
+        write_atomic(directory / "tokenizer.json", functools.partial(_llada_tokenizer_json,
+                                                                     chat_markers=ck.chat_markers))
+    for file, data in _text_files(ck, config, plan).items():  # config.json last
+        write_atomic(directory / file, data)
     return directory

@@ -77,6 +77,8 @@ def _one_line_error(code, out, err, message):
     (["--anchor-mass", "0.3"], "--anchor-mass sets the anchor budget of cache acache with an affix; this request "
                                "has no affix"),
     (["--affix-ids", "5,6", "--anchor-mass", "0.3", "--cache", "dual"], "the cache policy is 'dual'"),
+    (["--alg", "entropy"], "--alg is a setting of Dream models' sampler; this model is a LLaDA model"),
+    (["--top-p", "0.9"], "--top-p is a setting of Dream models' sampler; this model is a LLaDA model"),
     (["--affix-ids", ""], "the affix is empty"),
     (["--affix-ids", "5,6", "--affix-position", "infix", "--prompt-tail", "a\udcff"],
      "--prompt-tail is not valid Unicode text: character 1 is the lone surrogate \\udcff"),
