@@ -13,6 +13,8 @@ import dataclasses
 import json
 import math
 import re
+import types
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
@@ -259,15 +261,6 @@ def anchor_count(ratio: float, affix_len: int) -> int:
     return min(math.ceil(ratio * affix_len), affix_len)
 
 
-# The type each DecodeConfig field must have ("opt" = may also be None); checked before any value, and
-# what readers of settings given as text (the lm-eval adapter's model_args) convert by.
-FIELD_KINDS = {
-    "gen_length": "int", "block_length": "int", "steps": "opt int", "threshold": "opt float",
-    "factor": "opt float", "temperature": "float", "remasking": "str", "alg": "str", "alg_temp": "float",
-    "top_p": "opt float", "top_k": "opt int", "cfg_scale": "float", "cache": "str", "anchor_ratio": "float",
-    "anchor_mass": "opt float", "anchor_min_ratio": "float", "selector": "str", "drop_non_anchor": "bool",
-    "early_stop": "bool", "attn_backend": "opt str",
-}
 
 
 def _kind_error(name: str, value: Any, kind: str) -> str | None:
@@ -342,6 +335,14 @@ class DecodeConfig:
     def steps_per_block(self) -> int:
         return (self.steps or self.gen_length) // self.num_blocks
 
+    def with_gen_length(self, gen_length: int) -> DecodeConfig:
+        """This config at another generation length (a multiple of the block length): the same
+        schedule per block, as the engine and the server run each request at its own length."""
+        if gen_length == self.gen_length:
+            return self
+        steps = None if self.steps is None else self.steps_per_block * (gen_length // self.block_length)
+        return self.replace(gen_length=gen_length, steps=steps)
+
     def sampler(self, mcfg: ModelConfig) -> sampling.SamplerConfig:
         return sampling.SamplerConfig(
             family=mcfg.family, mask_token_id=mcfg.mask_token_id, temperature=self.temperature, threshold=self.threshold,
@@ -413,6 +414,21 @@ class DecodeConfig:
                 fail("an anchor mass needs a selector whose scores are importances, not 'bottom'")
         if self.selector not in SELECTORS:
             fail(f"unknown anchor selector {self.selector!r}; choose one of {SELECTORS}")
+
+
+def _kind(annotation: Any) -> str:
+    """A field's annotation as a kind: "int", "float", "bool" or "str" (a Literal's values are
+    strings), prefixed "opt " where None is allowed."""
+    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType)  # only `X | None` here
+    base = next(a for a in typing.get_args(annotation) if a is not type(None)) if optional else annotation
+    kind = "str" if typing.get_origin(base) is typing.Literal else base.__name__
+    return f"opt {kind}" if optional else kind
+
+
+# The type each DecodeConfig field must have ("opt" = may also be None), from its annotation; checked
+# before any value, and what readers of settings given as text (the lm-eval adapter's model_args)
+# convert by.
+FIELD_KINDS = {name: _kind(hint) for name, hint in typing.get_type_hints(DecodeConfig).items()}
 
 
 def resolve_decode_config(config: DecodeConfig | None, default: DecodeConfig) -> DecodeConfig:

@@ -34,7 +34,7 @@ from acache_jax import compile_cache
 from acache_jax.cli import DEFAULT_MODEL, Parser, add_compile_cache, positive, threshold
 from acache_jax.acache import AffixCache, build_affix_cache
 from acache_jax.checkpoint import load
-from acache_jax.config import ATTENTION_BACKENDS, CACHE_POLICIES, SELECTORS, DecodeConfig, InputError
+from acache_jax.config import ATTENTION_BACKENDS, CACHE_POLICIES, FIELD_KINDS, SELECTORS, DecodeConfig, InputError
 from acache_jax.decode import check_policy, generate
 from acache_jax.engine import Engine
 from acache_jax.engine.engine import check_engine_config
@@ -43,10 +43,9 @@ from acache_jax.model import Model, check_text
 from acache_jax.sampling import DreamAlg, Remasking
 from acache_jax.sharding import initialize_distributed, make_mesh
 
-# Per-request keys of --input lines that map onto DecodeConfig fields.
-DECODE_KEYS = ("gen_length", "block_length", "steps", "threshold", "factor", "temperature", "remasking", "alg",
-               "alg_temp", "top_p", "top_k", "cache",
-               "anchor_ratio", "anchor_mass", "anchor_min_ratio", "selector", "drop_non_anchor", "early_stop")
+# Per-request keys of --input lines that map onto DecodeConfig fields: every field but classifier-free
+# guidance (not a flag: likelihood scoring's) and the attention backend (--backend, for the whole run).
+DECODE_KEYS = tuple(k for k in FIELD_KINDS if k not in ("cfg_scale", "attn_backend"))
 # The other keys of an --input line, with the type each must have.
 REQUEST_KEYS = {"prompt": str, "prompt_ids": list, "affix": str, "affix_ids": list, "prompt_tail": str,
                 "prompt_tail_ids": list, "seed": int, "no_chat": bool, "affix_position": str}

@@ -226,9 +226,7 @@ class Engine:
 
     def request_config(self, gen_length: int) -> DecodeConfig:
         """The static path's config of a request with this gen length: the same schedule per block."""
-        cfg = self.config
-        steps = None if cfg.steps is None else cfg.steps_per_block * (gen_length // cfg.block_length)
-        return cfg if gen_length == cfg.gen_length else cfg.replace(gen_length=gen_length, steps=steps)
+        return self.config.with_gen_length(gen_length)
 
     def generate(self, requests: Sequence[Request], affix: Sequence[int] | AffixCache | None = None
                  ) -> list[EngineResult]:

@@ -23,16 +23,16 @@ from typing import Any
 from jinja2 import TemplateError
 
 from acache_jax.affix_index import split_text
-from acache_jax.config import DecodeConfig, InputError
+from acache_jax.config import FIELD_KINDS, DecodeConfig, InputError
 from acache_jax.engine.engine import check_engine_config
 from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_request
 from acache_jax.model import Model, check_text
 
 # Request fields that set decoding knobs (DecodeConfig fields of the same name): those the engine
-# runs for every model family.
-KNOBS = {"block_length": "int", "threshold": "opt number", "factor": "opt number", "cache": "str",
-         "anchor_ratio": "number", "anchor_mass": "opt number", "anchor_min_ratio": "number", "selector": "str",
-         "temperature": "number"}
+# runs for every model family, with their fields' kinds (a JSON number where the field is a float).
+KNOBS = {k: FIELD_KINDS[k].replace("float", "number") for k in (
+    "block_length", "threshold", "factor", "cache", "anchor_ratio", "anchor_mass", "anchor_min_ratio", "selector",
+    "temperature")}
 # OpenAI fields with no counterpart here, taken only at the values that ask for nothing (clients such
 # as LangChain send them with their defaults); `user` is a caller's tag and never changes an answer.
 NEUTRAL = {"top_p": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "best_of": (1,), "logit_bias": ({},),
@@ -228,8 +228,7 @@ def engine_config(base: DecodeConfig, **knobs: Any) -> DecodeConfig:
     block = knobs.get("block_length", base.block_length)
     if not isinstance(block, int) or block <= 0:
         raise InputError(f"block_length must be a positive integer, got {block!r}")
-    steps = None if base.steps is None else base.steps_per_block
-    config = base.replace(**knobs, gen_length=block, steps=steps)
+    config = base.with_gen_length(base.block_length).replace(**knobs, gen_length=block)
     check_engine_config(config)
     return config
 
