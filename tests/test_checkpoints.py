@@ -111,6 +111,7 @@ def test_checkpoint_loads_converts_chats_and_decodes(repo, tmp_path, capsys):
     row = json.loads(capsys.readouterr().out)
     tokens = np.asarray(row["tokens"])
     assert tokens.shape == (8,) and ((0 <= tokens) & (tokens < cfg.vocab_size)).all() and isinstance(row["text"], str)
+    assert cfg.mask_token_id not in tokens  # every position committed, never to [MASK] (Diffulex #39's symptom)
 
 
 def test_dream_coder_and_diffucoder_files_differ_from_dream_where_published():
