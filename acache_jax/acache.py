@@ -141,6 +141,14 @@ def anchor_ranking(score: jax.Array, valid: jax.Array | None = None, mass: float
     return Ranking(order, covering)
 
 
+# What each anchor selector (config.SELECTORS) ranks the affix by: attention / bottom, the probe's
+# attention importance, highest / lowest first (bottom: an ablation); hkvd / hkvd_block, how far a
+# dense forward's K/V over the request's text (hkvd_block: and its first block) deviate from the affix
+# cache's; random, uniform noise.
+PROBE_SIGN = {"attention": 1.0, "bottom": -1.0}
+DEVIATION_SELECTORS = ("hkvd", "hkvd_block")
+
+
 def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
                    k: int, selector: Selector, attn_backend: str | None = None, block_length: int = 0,
                    mass: float | None = None, k_min: int = 0) -> jax.Array:
@@ -151,10 +159,8 @@ def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State,
     hkvd_block: hkvd over each request's text and first block only (`block_length` masks, not the
     whole generation): the signal hkvd finds comes from there (docs/RESULTS.md), at the cost of
     one forward over the affix, the prompt and one block."""
-    if selector == "attention":
-        score = probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
-    elif selector == "bottom":
-        score = -probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
+    if selector in PROBE_SIGN:
+        score = PROBE_SIGN[selector] * probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
     elif selector == "hkvd":
         score = hkvd_deviation(graphdef, mcfg, params, batch, affix, attn_backend)
     elif selector == "hkvd_block":

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from acache_jax.acache import AffixCache, check_affix_cache
+from acache_jax.acache import DEVIATION_SELECTORS, PROBE_SIGN, AffixCache, check_affix_cache
 from acache_jax.config import DecodeConfig, DecodeError, InputError, resolve_decode_config
 from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.runner import Observer, Runner
@@ -32,7 +32,7 @@ from acache_jax.model import Model
 from acache_jax.sharding import use_mesh
 
 ENGINE_POLICIES = {"dual": "baseline", "acache": "acache", "direct": "acache"}
-ENGINE_SELECTORS = ("attention", "bottom", "hkvd", "hkvd_block")
+ENGINE_SELECTORS = (*PROBE_SIGN, *DEVIATION_SELECTORS)  # all but random: a probe or a dense forward ranks
 
 
 @dataclasses.dataclass

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax import sampling
-from acache_jax.acache import Ranking, affix_deviation, anchor_ranking
+from acache_jax.acache import DEVIATION_SELECTORS, PROBE_SIGN, Ranking, affix_deviation, anchor_ranking
 from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.engine.scheduler import Plan, StepOutput, Work
 from acache_jax.engine.sequence import SequenceState
@@ -144,7 +144,7 @@ def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, param
                             attn_backend=cfg.attn_backend)
     ranking = None
     if probing:
-        score = out.probe if cfg.selector == "attention" else -out.probe  # "bottom": the least important
+        score = PROBE_SIGN[cfg.selector] * out.probe
         ranking = anchor_ranking(score, jnp.arange(score.shape[1])[None] < step.reads[-1].lens[:, None],
                                  cfg.anchor_mass)
     return out.pool, step.commits.commit(out.logits, cfg, structure.config), ranking
@@ -183,8 +183,6 @@ def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params
     pool, rows, count = jax.lax.while_loop(unfinished, body, (pool, rows, jnp.int32(0)))
     return pool, rows, count
 
-
-DEVIATION_SELECTORS = ("hkvd", "hkvd_block")  # selectors ranked by `deviation_ranking`
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
