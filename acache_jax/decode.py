@@ -90,10 +90,6 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
             logits = uncond + (cfg.cfg_scale + 1) * (cond - uncond)
         return logits, out.pool
 
-    def step_keys(nfe):
-        """Per-row keys for this step, from the row's own forward count (not the batch's)."""
-        return jax.vmap(jax.random.fold_in)(batch.keys, nfe)
-
     scfg = cfg.sampler(mcfg)
 
     def commit(x, s, logits, step, keys, sched, block_start: bool):
@@ -148,7 +144,7 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
         active = masked0.any(-1)
         idx = jnp.broadcast_to(s + jnp.arange(bl), (b, bl))
         logits, pool, width = block_start(x, pool, s, idx)
-        x = commit(x, s, logits, 0, step_keys(nfe), sched, block_start=True)
+        x = commit(x, s, logits, 0, sampling.step_keys(batch.keys, nfe), sched, block_start=True)
         nfe, ftok = nfe + active, ftok + active * width * (2 if guided else 1)
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a, s, bl, axis=1)
 
@@ -176,7 +172,7 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
                 logits, pool = forward(win(x, mask_id), win(positions, 0), write, reads, pool, block_idx,
                                        win(prompt, False))
                 width = win(batch.valid, False).sum(-1)
-            x = commit(x, s, logits, step, step_keys(nfe), sched, block_start=False)
+            x = commit(x, s, logits, step, sampling.step_keys(batch.keys, nfe), sched, block_start=False)
             nfe, ftok = nfe + active, ftok + active * width * (2 if guided else 1)
             return x, pool, step + 1, nfe, ftok, calls + 1
 

@@ -44,6 +44,13 @@ def _gumbel(key: jax.Array, shape) -> jax.Array:
     return jax.random.gumbel(key, shape, jnp.float32)
 
 
+def step_keys(row_keys: jax.Array, nfe: jax.Array) -> jax.Array:
+    """Per-row keys [B] of a commit: each request's key (from its seed) folded with its own forward
+    count, not the batch's, so that a request draws the same numbers in any company: the static
+    path and the engine both draw this way."""
+    return jax.vmap(jax.random.fold_in)(row_keys, nfe)
+
+
 def _row_keys(keys: jax.Array, salt: int) -> jax.Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, salt))(keys)
 

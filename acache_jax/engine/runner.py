@@ -63,7 +63,7 @@ class Commits:
     def commit(self, logits: jax.Array, cfg: DecodeConfig, mcfg: ModelConfig) -> Commits:
         """The rows after one commit from their block logits [R, bl, V] (counters advanced where a
         mask was left)."""
-        keys = jax.vmap(lambda seed, n: jax.random.fold_in(jax.random.key(seed), n))(self.seeds, self.nfe)
+        keys = sampling.step_keys(jax.vmap(jax.random.key)(self.seeds), self.nfe)
         masked0 = jnp.arange(self.block.shape[1])[None] < self.masked_at_start[:, None]
         sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
         block = sampling.commit_block(self.block, logits, self.step, keys, sched, cfg.sampler(mcfg),
