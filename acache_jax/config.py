@@ -32,22 +32,16 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 _FAMILIES: dict[str, Family] = {"llada": "llada", "Dream": "dream"}
 # Other diffusion LMs, by config.json's architectures entry or model_type: refused by name, before any
 # field or tensor is read (LLaDA-MoE even shares model_type "llada").
-LOOK_ALIKES = {
-    "LLaDAMoEModelLM": "LLaDA-MoE (a mixture-of-experts model)",
-    "lladamoe": "LLaDA-MoE (a mixture-of-experts model)",
-    "LLaDA2MoeModelLM": "LLaDA2.x (a mixture-of-experts block-diffusion model)",
-    "llada2_moe": "LLaDA2.x (a mixture-of-experts block-diffusion model)",
-    "LlavaLLaDAModelLM": "LLaDA-V (LLaDA with a vision tower)",
-    "llava_llada": "LLaDA-V (LLaDA with a vision tower)",
-    "SDARForCausalLM": "SDAR / TraDo (block diffusion with causal attention across blocks)",
-    "sdar": "SDAR / TraDo (block diffusion with causal attention across blocks)",
-    "Fast_dLLM_QwenForCausalLM": "Fast-dLLM v2 (block-causal attention with a token shift)",
-    "Fast_dLLM_Qwen": "Fast-dLLM v2 (block-causal attention with a token shift)",
-    "DiffusionGemmaForBlockDiffusion": "DiffusionGemma (a mixture-of-experts model denoising without a mask token)",
-    "diffusion_gemma": "DiffusionGemma (a mixture-of-experts model denoising without a mask token)",
-    "NemotronLabsDiffusionModel": "Nemotron-Labs Diffusion",
-    "nemotron_labs_diffusion": "Nemotron-Labs Diffusion",
-}
+LOOK_ALIKES = {name: what for what, names in [
+    ("LLaDA-MoE (a mixture-of-experts model)", ("LLaDAMoEModelLM", "lladamoe")),
+    ("LLaDA2.x (a mixture-of-experts block-diffusion model)", ("LLaDA2MoeModelLM", "llada2_moe")),
+    ("LLaDA-V (LLaDA with a vision tower)", ("LlavaLLaDAModelLM", "llava_llada")),
+    ("SDAR / TraDo (block diffusion with causal attention across blocks)", ("SDARForCausalLM", "sdar")),
+    ("Fast-dLLM v2 (block-causal attention with a token shift)", ("Fast_dLLM_QwenForCausalLM", "Fast_dLLM_Qwen")),
+    ("DiffusionGemma (a mixture-of-experts model denoising without a mask token)",
+     ("DiffusionGemmaForBlockDiffusion", "diffusion_gemma")),
+    ("Nemotron-Labs Diffusion", ("NemotronLabsDiffusionModel", "nemotron_labs_diffusion")),
+] for name in names}
 SUPPORTED = "this library runs the LLaDA (LLaDAModelLM) and Dream (DreamModel) architectures"
 
 # Upstream options that would change the computation; each must hold the value we implement
@@ -259,8 +253,6 @@ def anchor_count(ratio: float, affix_len: int) -> int:
     if not 0.0 <= ratio <= 1.0:
         raise DecodeError(f"anchor ratio must be in [0, 1], got {ratio}")
     return min(math.ceil(ratio * affix_len), affix_len)
-
-
 
 
 def _kind_error(name: str, value: Any, kind: str) -> str | None:

@@ -79,7 +79,7 @@ class EngineStats:
         self.peak_blocks = max(self.peak_blocks, plan.blocks_in_use)
         self.peak_kv_bytes = max(self.peak_kv_bytes, plan.blocks_in_use * block_bytes)
         self.affix_fills += out.work.affix_fills
-        self.forward_tokens += out.work.forward_tokens
+        self.forward_tokens += int(out.forward_tokens.sum())
         self.padded_tokens += out.work.padded_tokens
         self.device_seconds += out.work.device_seconds
         self.generated_tokens += sum(len(seq.generated) for seq in finished)

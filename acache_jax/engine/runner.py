@@ -184,7 +184,6 @@ def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params
     return pool, rows, count
 
 
-
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def deviation_ranking(structure: Structure, cfg: DecodeConfig, params: list[jax.Array], pool: KVPool,
                       tokens: jax.Array, positions: jax.Array, valid: jax.Array, affix_index: jax.Array,
@@ -447,7 +446,6 @@ class Runner:
                             n_rows, 0)
         shared = _rows([s.shared_slots for s in probe], affix_width, n_rows, 0)
         affix_valid = np.arange(affix_width)[None] < np.asarray([s.affix_len for s in probe] + [0] * spare)[:, None]
-        work.forward_tokens += int(lengths.sum())
         work.padded_tokens += n_rows * width
         if self.observer is not None:
             self.observer.forward(int(lengths.sum()), int((lengths ** 2).sum()), 0)
@@ -489,7 +487,6 @@ class Runner:
         reads, keys = self._read_sets(plan, n_rows)
         step, lengths = self._packed(plan, reads, n_rows)
         forward_tokens[-len(lengths):] += lengths
-        work.forward_tokens += int(lengths.sum())
         work.padded_tokens += len(step.tokens)
         if self.observer is not None:
             self.observer.forward(int(lengths.sum()), int((lengths * keys[:len(lengths)]).sum()),
@@ -524,7 +521,6 @@ class Runner:
         nfe = np.asarray(rows.nfe)[:len(loop)]
         loop_forwards = nfe - before_loop  # each loop forward with masks left computed its block
         forward_tokens[-len(loop):] += loop_forwards * cfg.block_length
-        work.forward_tokens += int(loop_forwards.sum()) * cfg.block_length
         work.padded_tokens += int(count) * row_bucket(len(loop)) * cfg.block_length
         if self.observer is not None:
             keys = keys[first:first + len(loop)]

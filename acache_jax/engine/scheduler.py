@@ -55,9 +55,9 @@ class Plan:
 
 @dataclasses.dataclass
 class Work:
-    """What an iteration cost: the engine adds these into its `EngineStats`."""
+    """What an iteration cost beyond each request's tokens (`StepOutput.forward_tokens`): the engine
+    adds these into its `EngineStats`."""
 
-    forward_tokens: int = 0  # tokens the forwards computed, padding excluded
     padded_tokens: int = 0  # tokens the forwards computed, padding included
     device_seconds: float = 0.0  # inside the jitted calls and the fetch of their results
     affix_fills: int = 0  # affixes written into their shared blocks
@@ -72,7 +72,8 @@ class StepOutput:
     nfe: np.ndarray  # [len(plan.loop)] forward calls with masks in the block, this iteration
     steps: np.ndarray  # [len(plan.loop)] in-block commits, this iteration
     ranking: Ranking | None  # per plan.probe request: [N] best first, and the budget's covering count
-    forward_tokens: np.ndarray | None = None  # [len(plan.segments)] tokens computed for each, this iteration
+    # [len(plan.segments)] tokens computed for each this iteration, padding excluded
+    forward_tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     work: Work = dataclasses.field(default_factory=Work)
 
 
@@ -174,9 +175,8 @@ class Scheduler:
 
         eos: with early stop, the end-of-text id (a finished block all of it ends the request).
         """
-        if out.forward_tokens is not None:
-            for seq, n in zip(plan.segments, out.forward_tokens):
-                seq.forward_tokens += int(n)
+        for seq, n in zip(plan.segments, out.forward_tokens):
+            seq.forward_tokens += int(n)
         if out.ranking is not None:
             for seq, order, covering in zip(plan.probe, *out.ranking):
                 self._set_anchors(seq, order[:int(covering.clip(seq.min_anchors, seq.num_anchors))])
