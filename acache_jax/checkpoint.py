@@ -13,7 +13,9 @@ import json
 import os
 import shutil
 import sys
+from collections import deque
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from jax.sharding import Mesh
 from acache_jax import compile_cache
 from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
 from acache_jax.files import partial_name, remove_stale_partials
-from acache_jax.hf_checkpoint import READ_AHEAD_BYTES, CheckpointError, iter_tensors, stored_dtype
+from acache_jax.hf_checkpoint import CheckpointError, iter_tensors, stored_dtype
 from acache_jax.model import Model, abstract_transformer
 from acache_jax.sharding import is_kv_projection, kv_copies, param_sharding, place_param, sharded_config
 from acache_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -175,21 +177,41 @@ def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
     return out
 
 
+IN_FLIGHT_BYTES = 1 << 30  # tensors being placed at once (at least one): what loading adds to device memory
+PLACE_THREADS = 4  # transfers from pageable host memory go faster several at a time
+
+
 def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
             desc: str = "loading") -> Iterator[tuple[tuple, jax.Array]]:
-    """(our param path, device array in our layout) for every tensor of an HF snapshot: the host
-    reads bytes, the device transposes and casts them (acache_jax.sharding.place_param)."""
-    unsynced = 0
-    for entry, tensor in iter_tensors(path, cfg, progress(f"{desc} {path.name}")):
-        placed = place_param(entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose)
-        # Transfers and transposes run asynchronously, each holding its host and device source
-        # until done: wait now and then, so that neither memory holds more than READ_AHEAD_BYTES
-        # of tensors in flight (without this, an 8B load peaked at twice the model on the device).
-        unsynced += tensor.nbytes
-        if unsynced > READ_AHEAD_BYTES:
-            placed.block_until_ready()
-            unsynced = 0
-        yield entry.path, placed
+    """(our param path, device array in our layout) for every tensor of an HF snapshot, in file
+    order: the host maps the files' bytes, the device transposes and casts them
+    (acache_jax.sharding.place_param). A few tensors are placed at once on threads; a tensor is
+    handed out once its transfer and relayout are done, and no more than IN_FLIGHT_BYTES (or one
+    tensor, if larger) are in flight, so neither memory holds more than that beyond the model
+    (unbounded, an 8B load peaked at twice the model on the device)."""
+    with ThreadPoolExecutor(PLACE_THREADS, thread_name_prefix="place-weights") as pool:
+        window: deque[tuple[tuple, int, Future]] = deque()
+        in_flight = 0
+
+        def done() -> tuple[tuple, jax.Array]:
+            nonlocal in_flight
+            param_path, nbytes, future = window.popleft()
+            in_flight -= nbytes
+            return param_path, future.result().block_until_ready()
+
+        try:
+            for entry, tensor in iter_tensors(path, cfg, progress(f"{desc} {path.name}")):
+                while window and in_flight + tensor.nbytes > IN_FLIGHT_BYTES:
+                    yield done()
+                window.append((entry.path, tensor.nbytes, pool.submit(
+                    place_param, entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose)))
+                in_flight += tensor.nbytes
+                del tensor  # the map goes once its transfer is done
+            while window:
+                yield done()
+        finally:
+            for _, _, future in window:
+                future.cancel()
 
 
 def _read_hf(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:
@@ -247,10 +269,14 @@ def load(path: str | Path, dtype: Any | None = None, mesh: Mesh | None = None) -
     placed_cfg = sharded_config(cfg, mesh)  # checks the mesh before anything is read
     generation, eos_ids = read_generation_config(path, cfg)
     compile_cache.enable()  # library users too: see acache_jax/compile_cache.py (no-op once decided)
-    tree = _restore_converted(path, cfg, dtype, mesh) if is_converted(path) else _read_hf(path, cfg, dtype, mesh)
-    _check_finite(tree)
-    graphdef, state = nnx.split(abstract_transformer(placed_cfg, tree["embed"].dtype))
-    nnx.replace_by_pure_dict(state, tree)
-    source = path / GENERATION_CONFIG_FILE
-    return Model(placed_cfg, graphdef, state, load_tokenizer(path), generation, eos_ids, mesh,
-                 source if source.is_file() else None)
+    # The tokenizer loads beside the weights: importing transformers alone takes seconds, and the
+    # weights' transfers leave the interpreter free.
+    with ThreadPoolExecutor(1, thread_name_prefix="load-tokenizer") as side:
+        tokenizer = side.submit(load_tokenizer, path)
+        tree = _restore_converted(path, cfg, dtype, mesh) if is_converted(path) else _read_hf(path, cfg, dtype, mesh)
+        _check_finite(tree)
+        graphdef, state = nnx.split(abstract_transformer(placed_cfg, tree["embed"].dtype))
+        nnx.replace_by_pure_dict(state, tree)
+        source = path / GENERATION_CONFIG_FILE
+        return Model(placed_cfg, graphdef, state, tokenizer.result(), generation, eos_ids, mesh,
+                     source if source.is_file() else None)

@@ -39,7 +39,7 @@ from pathlib import Path
 GB = 1e9
 STEPS = ("convert", "load", "generate", "engine", "lm_eval", "serve")
 STATS_ENV = "REAL_SCALE_STATS"  # where a child writes its device and compile figures
-PROFILE_ENV = "REAL_SCALE_PROFILE"  # set: load steps print a cProfile of the load to stderr
+PROFILE_ENV = "REAL_SCALE_PROFILE"  # set: each step prints a cProfile of its command (load: of the load) to stderr
 CACHE_ENV = "ACACHE_JAX_COMPILE_CACHE"
 
 
@@ -85,7 +85,14 @@ def child(module: str, argv: list[str]) -> None:
             pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
         print(json.dumps({"import_s": round(imported - started, 2), "load_s": round(loaded - imported, 2)}))
         return
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    profiler = cProfile.Profile() if os.environ.get(PROFILE_ENV) else None
+    if profiler is None:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    try:  # where a command's time goes, on stderr (the run's --log keeps it)
+        profiler.runcall(runpy.run_module, module, run_name="__main__", alter_sys=True)
+    finally:
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
 
 
 # -- the parent: steps, each a process -----------------------------------------------------------
