@@ -123,8 +123,9 @@ def save(
 
 
 def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:
-    """The stored parameters; on a mesh each leaf is restored straight into its shards (leaves whose
-    KV heads are copied come to host memory first, to be copied and placed)."""
+    """The stored parameters, placed as a snapshot's are (uncommitted on one device, so that both
+    formats run the same programs); on a mesh each leaf is restored straight into its shards
+    (leaves whose KV heads are copied come to host memory first, to be copied and placed)."""
     import orbax.checkpoint as ocp
 
     marker = read_json(path / FORMAT_FILE)
@@ -157,14 +158,49 @@ def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Me
     # Reads in flight bounded as the write's are (orbax's default is 96 GB: an 8B restore on an H200
     # held 23 GB of host memory for a 16 GB model); the bound must exceed the largest tensor.
     largest = max(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(target))
-    in_flight_gb = -(-max(SAVE_IN_FLIGHT_BYTES, largest + 1) // 10**9)
-    try:
-        restorer = ocp.Checkpointer(ocp.StandardCheckpointHandler(restore_concurrent_gb=in_flight_gb))
-        tree = restorer.restore((path / "params").absolute(), args=ocp.args.StandardRestore(target))
-    except Exception as e:  # orbax raises many kinds (NOT_FOUND, ValueError, KeyError, ...) with long texts
-        raise CheckpointError(f"cannot restore the parameters in {path / 'params'}: files missing or damaged "
-                              f"({type(e).__name__}); convert the model again") from None
+    in_flight = max(SAVE_IN_FLIGHT_BYTES, largest + 1)
+    in_flight_gb = -(-in_flight // 10**9)
+
+    def restore(handler, args):
+        try:
+            return ocp.Checkpointer(handler).restore((path / "params").absolute(), args=args)
+        except Exception as e:  # orbax raises many kinds (NOT_FOUND, ValueError, KeyError, ...) with long texts
+            raise CheckpointError(f"cannot restore the parameters in {path / 'params'}: files missing or damaged "
+                                  f"({type(e).__name__}); convert the model again") from None
+
+    if mesh is None:
+        # Orbax's arrays come back committed to their device, a snapshot's are placed uncommitted
+        # (place_param), and committed weights change every program that takes them: a converted
+        # directory's runs missed the snapshot's compilation cache entries, and its engine compiled its
+        # warmed-up steps again. So the leaves come to host memory, `in_flight` bytes at a time, and
+        # are placed as a snapshot's are.
+        handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=in_flight_gb)
+        placed: list[tuple[tuple, jax.Array]] = []
+        for group in _groups(_flatten(target), in_flight):
+            item = _nest((p, np.empty(a.shape, a.dtype)) for p, a in group)
+            host = restore(handler, ocp.args.PyTreeRestore(
+                item, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item),
+                partial_restore=True))
+            group_placed = [(p, place_param(p, a, cfg, None, dtype)) for p, a in _flatten(host)]
+            jax.block_until_ready([a for _, a in group_placed])  # the group's host memory is free after this
+            placed += group_placed
+        return _unstring_layers(_nest(placed))
+    tree = restore(ocp.StandardCheckpointHandler(restore_concurrent_gb=in_flight_gb), ocp.args.StandardRestore(target))
     return _unstring_layers(_nest((p, place_param(p, a, cfg, mesh, dtype)) for p, a in _flatten(tree)))
+
+
+def _groups(flat: list[tuple[tuple, Any]], limit: int) -> Iterator[list[tuple[tuple, Any]]]:
+    """Consecutive (path, array-like) entries, a group of at most `limit` bytes at a time (a larger entry alone)."""
+    group, size = [], 0
+    for entry in flat:
+        nbytes = int(np.prod(entry[1].shape)) * np.dtype(entry[1].dtype).itemsize
+        if group and size + nbytes > limit:
+            yield group
+            group, size = [], 0
+        group.append(entry)
+        size += nbytes
+    if group:
+        yield group
 
 
 def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
@@ -234,7 +270,7 @@ def _all_finite(leaves: list[jax.Array]) -> jax.Array:
 
 def _check_finite(tree: dict) -> None:
     """Name the first parameter holding NaN or inf (one fused reduction, one transfer)."""
-    flat = _flatten(tree)
+    flat = sorted(_flatten(tree), key=lambda item: [str(k) for k in item[0]])  # one program for either format
     finite = jax.device_get(_all_finite([a for _, a in flat]))
     bad = [".".join(map(str, p)) for (p, _), ok in zip(flat, finite) if not ok]
     if bad:

@@ -203,3 +203,21 @@ def test_a_weight_of_an_unsupported_dtype_is_named(tmp_path, stored):
     assert _leftovers(tmp_path, "out") == []
     with pytest.raises(CheckpointError, match=message):
         acache_jax.load(src)
+
+
+def test_both_formats_run_the_same_programs(tmp_path, monkeypatch):
+    """A converted directory's weights are placed as a snapshot's are (uncommitted, and checked for
+    NaN in the same order): each program over them is the same, and so is its compilation cache entry."""
+    import jax
+    from acache_jax import checkpoint
+
+    src = _hf(tmp_path, llada_config(), shards=2)
+    dst = convert(src, tmp_path / "converted", dtype="float32")
+    checks, all_finite = [], checkpoint._all_finite
+    monkeypatch.setattr(checkpoint, "_all_finite", lambda leaves: checks.append(all_finite.lower(leaves).as_text())
+                        or all_finite(leaves))
+    models = [acache_jax.load(src, dtype="float32"), acache_jax.load(dst)]
+    assert checks[0] == checks[1]
+    assert not any(leaf.committed for m in models for leaf in jax.tree.leaves(m.params))
+    program = jax.jit(lambda params: jax.tree.map(lambda a: a.sum(), params))
+    assert program.lower(models[0].params).as_text() == program.lower(models[1].params).as_text()
