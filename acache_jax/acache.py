@@ -19,12 +19,11 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from acache_jax.config import SELECTORS, ModelConfig
+from acache_jax.config import SELECTORS
 from acache_jax.kv import AffixCache, read_set, rows_access
 from acache_jax.layout import Batch, RequestError, bucket, check_affix
-from acache_jax.model import ForwardInputs, Model, forward
+from acache_jax.model import ForwardInputs, Model, Structure
 from acache_jax.sharding import place_kv
 from pallas_kernels import rope
 
@@ -67,13 +66,14 @@ def affix_positions(batch: Batch) -> jax.Array:
     return jnp.take_along_axis(batch.positions, batch.affix_column_index(), axis=1)
 
 
-def probe_importance(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
+def probe_importance(structure: Structure, params: list[jax.Array], batch: Batch, affix: AffixCache,
                      attn_backend: str | None = None) -> jax.Array:
     """[B, L] anchor-probe importance: the request's non-affix tokens forward against the fixed
     affix K/V; the mask-token queries' softmax over affix keys, summed over queries, heads, layers.
 
     The non-affix tokens write their K/V into private pool rows and read [those rows; the affix
     rows at the affix's offset], as the engine's folded probe does."""
+    mcfg = structure.config
     b, t = batch.tokens.shape
     n = t - batch.affix_len
     cols = jnp.argsort(batch.affix_columns(), axis=1, stable=True)[:, :n]  # non-affix columns (padding too)
@@ -85,8 +85,8 @@ def probe_importance(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.Stat
                       affix_positions(batch)[:, 0])
     access = rows_access(affix.pool(b * n, mcfg.rope_theta), first_own + jnp.arange(n)[None], (own, shared),
                          valid & (tokens == mcfg.mask_token_id), probe_read=1)
-    out = forward(graphdef, params, tokens.reshape(-1), ForwardInputs(take(batch.positions).reshape(-1), access=access),
-                  with_logits=False, attn_backend=attn_backend)
+    out = structure.forward(params, tokens.reshape(-1), ForwardInputs(take(batch.positions).reshape(-1), access=access),
+                            with_logits=False, attn_backend=attn_backend)
     return out.probe
 
 
@@ -106,13 +106,13 @@ def affix_deviation(k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], affix_in
     return jnp.sqrt(total)
 
 
-def hkvd_deviation(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
+def hkvd_deviation(structure: Structure, params: list[jax.Array], batch: Batch, affix: AffixCache,
                    attn_backend: str | None = None) -> jax.Array:
     """[B, L] `affix_deviation` of one full forward of each row."""
-    out = forward(graphdef, params, batch.tokens, ForwardInputs(batch.positions, batch.valid), with_logits=False,
-                  attn_backend=attn_backend)
-    return affix_deviation(out.k, out.v, batch.affix_column_index(), affix.rotated_k(mcfg.rope_theta), affix.v,
-                           mcfg.rope_theta)
+    out = structure.forward(params, batch.tokens, ForwardInputs(batch.positions, batch.valid), with_logits=False,
+                            attn_backend=attn_backend)
+    theta = structure.config.rope_theta
+    return affix_deviation(out.k, out.v, batch.affix_column_index(), affix.rotated_k(theta), affix.v, theta)
 
 
 class Ranking(NamedTuple):
@@ -149,7 +149,7 @@ PROBE_SIGN = {"attention": 1.0, "bottom": -1.0}
 DEVIATION_SELECTORS = ("hkvd", "hkvd_block")
 
 
-def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, affix: AffixCache,
+def select_anchors(structure: Structure, params: list[jax.Array], batch: Batch, affix: AffixCache,
                    k: int, selector: Selector, attn_backend: str | None = None, block_length: int = 0,
                    mass: float | None = None, k_min: int = 0) -> jax.Array:
     """[B, k] sorted affix-relative anchor indices per row. Under an anchor `mass` a row keeps its
@@ -160,13 +160,13 @@ def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State,
     whole generation): the signal hkvd finds comes from there (docs/RESULTS.md), at the cost of
     one forward over the affix, the prompt and one block."""
     if selector in PROBE_SIGN:
-        score = PROBE_SIGN[selector] * probe_importance(graphdef, mcfg, params, batch, affix, attn_backend)
+        score = PROBE_SIGN[selector] * probe_importance(structure, params, batch, affix, attn_backend)
     elif selector == "hkvd":
-        score = hkvd_deviation(graphdef, mcfg, params, batch, affix, attn_backend)
+        score = hkvd_deviation(structure, params, batch, affix, attn_backend)
     elif selector == "hkvd_block":
         if not 0 < block_length <= batch.gen_length:
             raise RequestError(f"hkvd_block needs a block length in (0, {batch.gen_length}], got {block_length}")
-        score = hkvd_deviation(graphdef, mcfg, params, batch.through_block(block_length), affix, attn_backend)
+        score = hkvd_deviation(structure, params, batch.through_block(block_length), affix, attn_backend)
     elif selector == "random":
         score = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 7), (affix.length,)))(batch.keys)
     else:
@@ -176,4 +176,4 @@ def select_anchors(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State,
     return jnp.sort(jnp.where(jnp.arange(k)[None] < kept[:, None], ranking.order[:, :k], affix.length), axis=1)
 
 
-select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 1, 5, 6, 7, 8, 9, 10))
+select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 4, 5, 6, 7, 8, 9))

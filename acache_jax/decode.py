@@ -22,15 +22,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from acache_jax import sampling
 from acache_jax.acache import build_affix_cache, check_affix_cache, select_anchors_jit
-from acache_jax.config import DecodeConfig, DecodeError, ModelConfig, resolve_decode_config
+from acache_jax.config import DecodeConfig, DecodeError, resolve_decode_config
 from acache_jax.layout import Batch, Request, as_requests, check_requests, make_batch
 from acache_jax.kv import AffixCache, KVPool, flat_index, read_set, rows_access
-from acache_jax.model import ForwardInputs, Model
-from acache_jax.model import forward as model_forward
+from acache_jax.model import ForwardInputs, Model, Structure
 from acache_jax.sharding import constrain_kv, place_rows, use_mesh
 
 
@@ -54,7 +52,7 @@ class DecodeStats:
     calls: jax.Array  # [] forward calls of the batch
 
 
-def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch: Batch, cfg: DecodeConfig,
+def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: DecodeConfig,
             affix: AffixCache | None = None, anchors: jax.Array | None = None) -> tuple[jax.Array, DecodeStats]:
     """The whole generation of one batch. Selective policies need `affix` and `anchors` [B, K].
 
@@ -62,6 +60,7 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
     full policies own B x T rows; selective ones read the affix from L shared rows (K rotated at
     0..L-1, read at the row's affix offset) and own B x (T - L + K) rows for their private columns.
     """
+    mcfg = structure.config
     mask_id, bl, g0 = mcfg.mask_token_id, cfg.block_length, batch.gen_start
     b, t = batch.tokens.shape
     col = jnp.arange(t)[None]
@@ -74,16 +73,16 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
     zero = jnp.zeros((rows,), jnp.int32)
     positions = dup(batch.positions)
 
-    def forward(tokens, pos, write, reads, pool, logit_index, prompt_mask=None):
+    def run(tokens, pos, write, reads, pool, logit_index, prompt_mask=None):
         """Rows of tokens through the pool; logits [B, Tl, V] (CFG: combined with the copies whose
         `prompt_mask` tokens are masked)."""
         if guided:
             tokens = jnp.concatenate([tokens, jnp.where(prompt_mask, mask_id, tokens)])
         f = tokens.shape[1]
-        out = model_forward(graphdef, params, tokens.reshape(-1),
-                            ForwardInputs(pos.reshape(-1), access=rows_access(pool, write, reads),
-                                          logit_index=flat_index(dup(logit_index), f)),
-                            attn_backend=cfg.attn_backend)
+        out = structure.forward(params, tokens.reshape(-1),
+                                ForwardInputs(pos.reshape(-1), access=rows_access(pool, write, reads),
+                                              logit_index=flat_index(dup(logit_index), f)),
+                                attn_backend=cfg.attn_backend)
         logits = out.logits
         if guided:
             cond, uncond = jnp.split(logits, 2)
@@ -124,15 +123,15 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
                        tuple(jnp.zeros((L + b * n_private, *a.shape[1:]), a.dtype).at[:L].set(a) for a in affix.v))
     else:
         reads = (read_set(row_ids * t + col, dup(batch.valid), zero),)
-        pool0 = KVPool.zeros(mcfg, rows * t, params["embed"][...].dtype)
+        pool0 = KVPool.zeros(mcfg, rows * t, params[0].dtype)
     pool0 = jax.tree.map(constrain_kv, pool0)  # split by KV head under a mesh, as every write keeps it
 
     def block_start(x, pool, s, idx):
         """Forward at a block start: (logits for the block, the pool, tokens computed per row)."""
         if not cfg.selective:
-            logits, pool = forward(x, positions, row_ids * t + col, reads, pool, idx, prompt)
+            logits, pool = run(x, positions, row_ids * t + col, reads, pool, idx, prompt)
             return logits, pool, batch.valid.sum(-1)
-        logits, pool = forward(take(x, private), take(batch.positions, private),
+        logits, pool = run(take(x, private), take(batch.positions, private),
                                own_slot + jnp.arange(n_private)[None], reads, pool, take(compact, idx))
         return logits, pool, private_valid.sum(-1)
 
@@ -156,20 +155,20 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
             active = (sl(x) == mask_id).any(-1)
             block_idx = jnp.broadcast_to(jnp.arange(bl), (b, bl))
             if cfg.cache == "none":
-                logits, pool = forward(x, positions, row_ids * t + col, reads, pool, idx, prompt)
+                logits, pool = run(x, positions, row_ids * t + col, reads, pool, idx, prompt)
                 width = batch.valid.sum(-1)
             elif cfg.selective:  # the block alone, written to its private rows
-                logits, pool = forward(sl(x), sl(batch.positions), own_slot + sl(compact), reads, pool, block_idx)
+                logits, pool = run(sl(x), sl(batch.positions), own_slot + sl(compact), reads, pool, block_idx)
                 width = jnp.full((b,), bl)
             elif cfg.cache == "dual":  # the block alone
-                logits, pool = forward(sl(x), sl(positions), row_ids * t + s + jnp.arange(bl)[None], reads, pool,
+                logits, pool = run(sl(x), sl(positions), row_ids * t + s + jnp.arange(bl)[None], reads, pool,
                                        block_idx, sl(prompt))
                 width = jnp.full((b,), bl)
             else:  # prefix: the window from the block start to the end
                 win = lambda a, fill: jax.lax.dynamic_slice_in_dim(padded(a, fill), s, window, axis=1)
                 cols = s + jnp.arange(window)[None]
                 write = jnp.where(cols < t, row_ids * t + cols, pool.num_slots)
-                logits, pool = forward(win(x, mask_id), win(positions, 0), write, reads, pool, block_idx,
+                logits, pool = run(win(x, mask_id), win(positions, 0), write, reads, pool, block_idx,
                                        win(prompt, False))
                 width = win(batch.valid, False).sum(-1)
             x = commit(x, s, logits, step, sampling.step_keys(batch.keys, nfe), sched, block_start=False)
@@ -194,7 +193,7 @@ def _decode(graphdef: nnx.GraphDef, mcfg: ModelConfig, params: nnx.State, batch:
     return x, DecodeStats(nfe, ftok, calls)
 
 
-decode_batch = jax.jit(_decode, static_argnums=(0, 1, 4))
+decode_batch = jax.jit(_decode, static_argnums=(0, 3))
 
 
 def _loop_key(config: DecodeConfig) -> DecodeConfig:
@@ -264,15 +263,13 @@ def generate(
                            model.mesh)
         with use_mesh(model.mesh):
             if config.selective:
-                anchors = (select_anchors_jit(model.graphdef, model.config, model.params, batch, cache, k,
+                anchors = (select_anchors_jit(*model.flat, batch, cache, k,
                                               config.selector, config.attn_backend, config.block_length,
                                               config.anchor_mass, config.min_anchors(cache.length))
                            if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
-                result = decode_batch(model.graphdef, model.config, model.params, batch, _loop_key(config), cache,
-                                      anchors)
+                result = decode_batch(*model.flat, batch, _loop_key(config), cache, anchors)
             else:
-                anchors, result = None, decode_batch(model.graphdef, model.config, model.params, batch,
-                                                     _loop_key(config))
+                anchors, result = None, decode_batch(*model.flat, batch, _loop_key(config))
             (out, stats), anchors = jax.device_get((result, anchors))
         elapsed = time.perf_counter() - start
         g0 = batch.gen_start

@@ -28,11 +28,10 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from acache_jax.config import InputError
 from acache_jax.layout import bucket, check_context, check_vocabulary, token_ids
-from acache_jax.model import ForwardInputs, Model, forward
+from acache_jax.model import ForwardInputs, Model, Structure
 
 
 def mask_counts(rng: np.random.Generator, length: int, group: int) -> np.ndarray:
@@ -56,7 +55,7 @@ def _pair_rng(seed: int, prompt: list[int], continuation: list[int]) -> np.rando
     return np.random.default_rng([seed, int.from_bytes(digest[:8], "little")])
 
 
-def _row_losses(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, valid: jax.Array,
+def _row_losses(structure: Structure, params: list[jax.Array], tokens: jax.Array, valid: jax.Array,
                 prompt: jax.Array, index: jax.Array, target: jax.Array, weight: jax.Array, *,
                 mask_id: int, cfg_scale: float, attn_backend: str | None) -> jax.Array:
     """[R] sum over each row's continuation of weight * cross-entropy (weight 0: not scored).
@@ -70,8 +69,8 @@ def _row_losses(graphdef: nnx.GraphDef, params: nnx.State, tokens: jax.Array, va
     if cfg_scale > 0:
         tokens = jnp.concatenate([tokens, jnp.where(prompt, mask_id, tokens)])
         positions, valid, index = (jnp.concatenate([a, a]) for a in (positions, valid, index))
-    logits = forward(graphdef, params, tokens, ForwardInputs(positions, valid, logit_index=index),
-                     attn_backend=attn_backend).logits
+    logits = structure.forward(params, tokens, ForwardInputs(positions, valid, logit_index=index),
+                               attn_backend=attn_backend).logits
     if cfg_scale > 0:
         cond, uncond = jnp.split(logits, 2)
         logits = uncond + (cfg_scale + 1) * (cond - uncond)
@@ -145,7 +144,7 @@ def loglikelihood(model: Model, pairs: Sequence[tuple[Sequence[int], Sequence[in
             target[i, :len(w)] = pairs[p][1]
             weight[i, :len(w)] = w
         inputs = (jnp.asarray(a) for a in (tokens, valid, prompt_cols, index, target, weight))
-        losses = row_losses(model.graphdef, model.params, *inputs, mask_id=mask_id, cfg_scale=float(cfg_scale),
+        losses = row_losses(*model.flat, *inputs, mask_id=mask_id, cfg_scale=float(cfg_scale),
                             attn_backend=attn_backend)
         pending.append(([s[0] for s in chunk], losses))
     totals = np.zeros(len(pairs), np.float64)

@@ -2,9 +2,11 @@
 
 One network serves both: pre-norm blocks with RMSNorm (fp32), RoPE (rotate-half), MHA or GQA with
 optional q/k/v bias, a SwiGLU MLP and an untied LM head. Dream's logit shift is a property of the
-config. The single entry is `forward(graphdef, params, tokens, inputs)`: the tokens it is given,
-at the positions `inputs` says, attending either to their own rows (dense) or, through a
-`PoolAccess`, to pool rows after writing their own K/V there (every cache policy, static or served).
+config. Jitted code has one entry, `Structure.forward(params, tokens, inputs)` over the weights as
+a flat list (`Model.flat`): the tokens it is given, at the positions `inputs` says, attending either
+to their own rows (dense) or, through a `PoolAccess`, to pool rows after writing their own K/V there
+(every cache policy, static or served). `Model.forward` and `Model.logits` are its jitted form for
+callers outside jitted code; training differentiates the module itself (eval/train.py).
 """
 
 from __future__ import annotations
@@ -202,25 +204,23 @@ def abstract_transformer(cfg: ModelConfig, dtype: Any) -> Transformer:
     return nnx.eval_shape(lambda: Transformer(cfg, dtype, rngs=nnx.Rngs(0)))
 
 
-def forward(graphdef: nnx.GraphDef, params: nnx.State, token_ids: jax.Array, inputs: ForwardInputs,
-            **kwargs: Any) -> ForwardOutput:
-    """The one functional entry to the network (inside jitted code): merge and run."""
-    return nnx.merge(graphdef, params)(token_ids, inputs, **kwargs)
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Structure:
     """A model's structure as a static argument of jitted code, hashed by identity (hashing a
     graphdef walks the module tree), with the parameters passed as a flat list of arrays
     (flattening an nnx.State runs Python per variable): together milliseconds per call for a
-    32-layer model."""
+    32-layer model. Every leaf has the model's dtype."""
 
     graphdef: nnx.GraphDef
     treedef: Any  # the parameters' treedef
     config: ModelConfig
 
-    def forward(self, leaves: list[jax.Array], tokens: jax.Array, inputs: ForwardInputs, **kwargs: Any):
-        return forward(self.graphdef, jax.tree.unflatten(self.treedef, leaves), tokens, inputs, **kwargs)
+    def forward(self, params: list[jax.Array], tokens: jax.Array, inputs: ForwardInputs, *, with_logits: bool = True,
+                attn_backend: str | None = None) -> ForwardOutput:
+        """The network over `params` (`Model.flat`'s leaves), inside jitted code: see
+        `Transformer.__call__`."""
+        network = nnx.merge(self.graphdef, jax.tree.unflatten(self.treedef, params))
+        return network(tokens, inputs, with_logits=with_logits, attn_backend=attn_backend)
 
 
 @functools.cache
@@ -337,7 +337,7 @@ class Model:
         return self.params["embed"][...].dtype
 
     def forward(self, token_ids: jax.Array, inputs: ForwardInputs, **kwargs: Any) -> ForwardOutput:
-        """`forward` with this model's weights, jitted (static keywords: with_logits, attn_backend)."""
+        """`Structure.forward` with this model's weights, jitted (static keywords: with_logits, attn_backend)."""
         with use_mesh(self.mesh):
             return _jit_forward(*self.flat, token_ids, inputs, **kwargs)
 
@@ -354,5 +354,4 @@ class Model:
         return self.forward(jnp.asarray(ids, jnp.int32), ForwardInputs(positions)).logits
 
 
-_jit_forward = jax.jit(Structure.forward, static_argnums=0,
-                       static_argnames=("with_logits", "attn_backend", "one_hot_embed"))
+_jit_forward = jax.jit(Structure.forward, static_argnums=0, static_argnames=("with_logits", "attn_backend"))

@@ -33,8 +33,8 @@ from eval.tasks.base import words
 from eval.tasks.layouts import affix_ids, encoder, request
 
 # Jitted: op by op, each of the probe's hundreds of operations would compile on its own.
-_attention_scores = jax.jit(probe_importance, static_argnums=(0, 1))
-_hkvd_scores = jax.jit(hkvd_deviation, static_argnums=(0, 1))
+_attention_scores = jax.jit(probe_importance, static_argnums=0)
+_hkvd_scores = jax.jit(hkvd_deviation, static_argnums=0)
 
 BINDING = 4  # tokens of "wug means blue ."
 
@@ -51,8 +51,7 @@ def analyse(model: Model, placement: str, shots: int, n: int, ratio: float, seed
     batch = make_batch([request(encode, q, placement, i) for i, q in enumerate(questions)],
                        model.generation_config.gen_length,
                        model.config, affix)
-    scores = {"attention": _attention_scores(model.graphdef, model.config, model.params, batch, cache),
-              "hkvd": _hkvd_scores(model.graphdef, model.config, model.params, batch, cache)}
+    scores = {"attention": _attention_scores(*model.flat, batch, cache), "hkvd": _hkvd_scores(*model.flat, batch, cache)}
     k = anchor_count(ratio, len(affix))
     bindings = []  # per question: where the asked binding starts in the affix (once per shot)
     for q in questions:

@@ -54,7 +54,7 @@ def main() -> None:
         seconds = {}
         for selector in args.selectors.split(","):
             seconds[selector] = sec = median_seconds(functools.partial(
-                select_anchors_jit, model.graphdef, cfg, model.params, batch, affix, k, selector, args.backend,
+                select_anchors_jit, *model.flat, batch, affix, k, selector, args.backend,
                 args.block_length))
             ratio = f"{sec / seconds['attention']:.2f}" if "attention" in seconds else "-"
             print(f"| {selector} | {b} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} | {ratio} |", flush=True)

@@ -35,7 +35,7 @@ from acache_jax.config import DecodeConfig, ModelConfig
 from acache_jax.decode import decode_batch
 from acache_jax.layout import Request, make_batch
 from acache_jax.kv import KVPool, read_set, rows_access
-from acache_jax.model import ForwardInputs, Model, abstract_transformer, forward
+from acache_jax.model import ForwardInputs, Model, abstract_transformer
 from acache_jax.files import write_atomic
 from acache_jax.sharding import make_mesh, param_sharding, place_rows, sharded_config, use_mesh
 
@@ -124,12 +124,13 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
     """(label, kind, batch, prompt) -> (lowered program, its inputs) of every case on `model`
     (under its mesh, if any); the same random inputs under every label."""
     cfg, bl, g = model.config, args.block, args.gen
+    structure, leaves = model.flat
     rng = np.random.default_rng(0)
     jobs = {}
 
     def full(params, ids, pos):
         idx = jnp.broadcast_to(pos.shape[1] - g + jnp.arange(bl), (ids.shape[0], bl))
-        out = forward(model.graphdef, params, ids, ForwardInputs(pos, logit_index=idx), attn_backend=args.backend)
+        out = structure.forward(params, ids, ForwardInputs(pos, logit_index=idx), attn_backend=args.backend)
         return out.logits, out.k, out.v
 
     def block(params, ids, pos, k, v, kpos, kvalid):
@@ -142,7 +143,7 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
         in_block = jnp.zeros((b, t), bool).at[jnp.arange(b)[:, None], pos].set(True)
         reads = (read_set(rows + jnp.arange(t)[None], kvalid | in_block, jnp.zeros(b)),)
         inputs = ForwardInputs(pos.reshape(-1), access=rows_access(pool, write, reads))
-        return forward(model.graphdef, params, ids.reshape(-1), inputs, attn_backend=args.backend).logits
+        return structure.forward(params, ids.reshape(-1), inputs, attn_backend=args.backend).logits
 
     # ---- lower everything, compile in parallel ----
     affix_ids = rng.integers(0, 126000, args.affix).tolist() if args.affix else None
@@ -154,12 +155,11 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
                 ids = jnp.asarray(rng.integers(0, 126000, (b, t)), jnp.int32)
                 pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
                 kshape = (jax.ShapeDtypeStruct((b, t, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16),) * cfg.num_layers
-                jobs[(label, "full", b, p)] = (jax.jit(full).lower(model.params, ids, pos),
-                                               (model.params, ids, pos))
+                jobs[(label, "full", b, p)] = (jax.jit(full).lower(leaves, ids, pos), (leaves, ids, pos))
                 bids, bpos = ids[:, p:p + bl], pos[:, p:p + bl]
                 kvalid = jnp.ones((b, t), bool).at[:, p:p + bl].set(False)
-                lowered = jax.jit(block).lower(model.params, bids, bpos, kshape, kshape, pos, kvalid)
-                jobs[(label, "block", b, p)] = (lowered, (model.params, bids, bpos, None, None, pos, kvalid))
+                lowered = jax.jit(block).lower(leaves, bids, bpos, kshape, kshape, pos, kvalid)
+                jobs[(label, "block", b, p)] = (lowered, (leaves, bids, bpos, None, None, pos, kvalid))
             for policy in policies:
                 dcfg = DecodeConfig(gen_length=g, block_length=bl, steps=args.steps, threshold=None, cache=policy,
                                     anchor_ratio=args.ratio, attn_backend=args.backend)
@@ -169,12 +169,11 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
                 extra = ()
                 if dcfg.selective:
                     k = dcfg.anchors(args.affix)
-                    anchors = (select_anchors_jit(model.graphdef, cfg, model.params, batch, affix, k, "attention",
-                                                  args.backend) if k else
+                    anchors = (select_anchors_jit(structure, leaves, batch, affix, k, "attention", args.backend) if k else
                                jnp.zeros((b, 0), jnp.int32))
                     extra = (affix, anchors)
-                lowered = decode_batch.lower(model.graphdef, cfg, model.params, batch, dcfg, *extra)
-                jobs[(label, policy, b, p)] = (lowered, (model.params, batch, *extra))
+                lowered = decode_batch.lower(structure, leaves, batch, dcfg, *extra)
+                jobs[(label, policy, b, p)] = (lowered, (leaves, batch, *extra))
     return jobs
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from acache_jax import compile_cache
 from acache_jax.kv import KVPool, read_set, rows_access
-from acache_jax.model import ForwardInputs, forward
+from acache_jax.model import ForwardInputs
 from eval.bench_decode import forward_flops, llada_8b, median_seconds, random_model
 
 
@@ -31,7 +31,7 @@ def main() -> None:
     compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     cfg = llada_8b(args.layers)
     model = random_model(cfg)
-    gd, params = model.graphdef, model.params
+    structure, params = model.flat
     rng = np.random.default_rng(0)
     bytes_weights = sum(x.nbytes for x in jax.tree.leaves(params))
     print(f"device {jax.devices()[0].device_kind}, jax {jax.__version__}; weights {bytes_weights / 1e9:.1f} GB")
@@ -42,17 +42,17 @@ def main() -> None:
     for t in [int(x) for x in args.lengths.split(",")]:
         ids = jnp.asarray(rng.integers(0, 126000, (1, t)), jnp.int32)
         pos = jnp.arange(t, dtype=jnp.int32)[None]
-        out = jax.jit(lambda p, i, q: forward(gd, p, i, ForwardInputs(q), attn_backend="cudnn"))(params, ids, pos)
+        out = jax.jit(lambda p, i, q: structure.forward(p, i, ForwardInputs(q), attn_backend="cudnn"))(params, ids, pos)
         bids, bpos = ids[:, 300:332], pos[:, 300:332]
         reads = (read_set(jnp.arange(t)[None], jnp.ones((1, t), bool), jnp.zeros(1)),)
         for backend in ("pallas", "xla"):
             def fn(p, i, q, k, v, backend=backend):
                 access = rows_access(KVPool.from_rows(k, v, pos, cfg.rope_theta), q, reads)
-                return forward(gd, p, i.reshape(-1), ForwardInputs(q.reshape(-1), access=access),
+                return structure.forward(p, i.reshape(-1), ForwardInputs(q.reshape(-1), access=access),
                                attn_backend=backend).logits
             sec = median_seconds(jax.jit(fn), params, bids, bpos, out.k, out.v, iters=20)
             print(f"T={t} in-block forward through the pool, {backend}: {1e3 * sec:.2f} ms")
-        fn = jax.jit(lambda p, i, q: forward(gd, p, i, ForwardInputs(q), attn_backend="cudnn").logits)
+        fn = jax.jit(lambda p, i, q: structure.forward(p, i, ForwardInputs(q), attn_backend="cudnn").logits)
         sec = median_seconds(fn, params, bids, bpos, iters=20)
         print(f"T={t} in-block forward without cache keys: {1e3 * sec:.2f} ms")
         del out
@@ -61,7 +61,7 @@ def main() -> None:
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     idx = jnp.broadcast_to(t - 256 + jnp.arange(32), (b, 32))
     flops = forward_flops(cfg, b, t, t, 32)
-    run = lambda p, i, q, backend: forward(gd, p, i, ForwardInputs(q, logit_index=idx), attn_backend=backend)
+    run = lambda p, i, q, backend: structure.forward(p, i, ForwardInputs(q, logit_index=idx), attn_backend=backend)
     with_kv = jax.jit(lambda p, i, q: (lambda o: (o.logits, o.k, o.v))(run(p, i, q, "cudnn")))
     logits_only = jax.jit(lambda p, i, q: run(p, i, q, "cudnn").logits)
     xla = jax.jit(lambda p, i, q: run(p, i, q, "xla").logits)

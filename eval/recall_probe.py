@@ -33,7 +33,7 @@ from flax import nnx
 
 from acache_jax import compile_cache
 from acache_jax.config import ModelConfig
-from acache_jax.model import ForwardInputs, forward
+from acache_jax.model import ForwardInputs
 from pallas_kernels.gathered_attention import rope
 
 VOCAB, MASK, KEYS, VALUES, FILLER = 128, 2, (10, 40), (50, 80), 100
@@ -76,7 +76,7 @@ def ours(shared_embedding: float, seed: int = 0):
                       pad_token_id=0)
     graphdef, params = nnx.split(initial_model(cfg, Recipe(shared_embedding=shared_embedding), seed))
     positions = lambda t: jnp.broadcast_to(jnp.arange(t.shape[1]), t.shape)
-    return params, lambda p, t: forward(graphdef, p, t, ForwardInputs(positions(t))).logits
+    return params, lambda p, t: nnx.merge(graphdef, p)(t, ForwardInputs(positions(t))).logits
 
 
 def reference(absolute: bool, length: int, seed: int = 0):

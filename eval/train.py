@@ -37,7 +37,7 @@ from flax import nnx
 
 from acache_jax import compile_cache
 from acache_jax.config import DecodeConfig, ModelConfig
-from acache_jax.model import ForwardInputs, Transformer, forward
+from acache_jax.model import ForwardInputs, Transformer
 from acache_jax.files import write_atomic
 from acache_jax.hf_checkpoint import export_hf
 from eval.tasks import STUDY_TASKS
@@ -161,8 +161,9 @@ def diffusion_loss(params: nnx.State, graphdef: nnx.GraphDef, tokens: jax.Array,
     noisy, region, masked, ratio = corrupt(tokens, gen_start, length, key, mask_id, recipe)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     compute = jax.tree.map(lambda p: p.astype(recipe.compute_dtype), params)
-    logits = forward(graphdef, compute, noisy, ForwardInputs(positions, positions < length[:, None]),
-                     attn_backend=recipe.attn_backend, one_hot_embed=recipe.one_hot_embed).logits
+    network = nnx.merge(graphdef, compute)  # the module itself: training needs its one-hot embedding option
+    logits = network(noisy, ForwardInputs(positions, positions < length[:, None]), attn_backend=recipe.attn_backend,
+                     one_hot_embed=recipe.one_hot_embed).logits
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
     per_row = jnp.sum(jnp.where(masked, ce / ratio[:, None], 0.0), axis=1) / jnp.sum(region, axis=1)
     return jnp.mean(per_row)

@@ -154,8 +154,8 @@ def _oracle_importance(model, request):
 
 def test_attention_selector_matches_a_plain_oracle(model, cache):
     batch = make_batch(REQUESTS, BASE["gen_length"], model.config, AFFIX)
-    probe = jax.jit(probe_importance, static_argnums=(0, 1))
-    ours = np.asarray(probe(model.graphdef, model.config, model.params, batch, cache))
+    probe = jax.jit(probe_importance, static_argnums=0)
+    ours = np.asarray(probe(*model.flat, batch, cache))
     k = math.ceil(0.2 * len(AFFIX))
     result = generate(model, REQUESTS, DecodeConfig(cache="acache", anchor_ratio=0.2, **BASE), affix=cache)
     for i, r in enumerate(REQUESTS):

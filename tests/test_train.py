@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 import acache_jax
 from acache_jax.config import DecodeConfig, ModelConfig
-from acache_jax.model import ForwardInputs, Model, Transformer, forward
+from acache_jax.model import ForwardInputs, Model, Transformer
 from acache_jax.hf_checkpoint import export_hf, hf_config
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.plot_losses import plot_losses
@@ -51,7 +51,7 @@ def test_one_hot_embedding_has_the_lookups_values_and_gradients():
     positions = jnp.broadcast_to(jnp.arange(12), ids.shape)
 
     def loss(p, one_hot):
-        return jnp.sum(forward(graphdef, p, ids, ForwardInputs(positions), one_hot_embed=one_hot).logits[..., :7] ** 2)
+        return jnp.sum(nnx.merge(graphdef, p)(ids, ForwardInputs(positions), one_hot_embed=one_hot).logits[..., :7] ** 2)
 
     (plain, g_plain), (hot, g_hot) = (jax.value_and_grad(loss)(params, flag) for flag in (False, True))
     np.testing.assert_allclose(hot, plain, rtol=1e-6)
