@@ -259,7 +259,7 @@ class Observer(Protocol):
 class Runner:
     """Owns the pool; turns plans into device inputs and runs them (see the module docstring)."""
 
-    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int,
+    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, context: int,
                  observer: Observer | None = None, fixed_shapes: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
         self.program_config = config.program_key()  # the jitted steps' static config
@@ -268,12 +268,13 @@ class Runner:
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
         self.observer = observer
-        # Fixed shapes (a server): read widths for the model's whole context and token axes from
-        # FIXED_AXIS, so the programs do not depend on the traffic and `warm_up` can compile them all.
+        # Fixed shapes (a server): read widths for the engine's whole context (the longest request it
+        # serves) and token axes from FIXED_AXIS, so the programs do not depend on the traffic and
+        # `warm_up` can compile them all.
         self.fixed_shapes = fixed_shapes
-        context = bucket(model.config.max_seq_len)
+        width = bucket(context)
         # per read set (private, shared): wide enough for every request queued so far
-        self.read_widths = [context, context if config.selective else 0] if fixed_shapes else [0, 0]
+        self.read_widths = [width, width if config.selective else 0] if fixed_shapes else [0, 0]
         self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
 
     def _fill_affix(self, affix: AffixCache | list[int], slots: np.ndarray, work: Work) -> None:

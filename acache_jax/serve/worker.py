@@ -41,7 +41,8 @@ class Settings:
     """The server's engine and discovery flags."""
 
     max_batch: int = 16
-    pool_tokens: int | None = None  # per engine (default max_batch x the model's context)
+    pool_tokens: int | None = None  # per engine (default max_batch x context)
+    context: int | None = None  # prompt + generated tokens of a request (default the model's context)
     max_engines: int = 4
     max_queue: int = 256  # requests queued or running, over every engine
     discovery: bool = True
@@ -214,7 +215,7 @@ class Worker:
                     del self.engines[idle]
             s = self.settings
             engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch,
-                                                   fixed_shapes=s.warmup_tokens > 0)
+                                                   fixed_shapes=s.warmup_tokens > 0, context=s.context)
         self.engines.move_to_end(config)
         return engine
 
