@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import threading
 
 import jax
 import numpy as np
@@ -108,6 +109,9 @@ def test_a_warmed_up_engine_compiles_no_step(fixtures_dir, caplog):
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
     # a pool size of its own: no other test has compiled these programs, whatever ran before
     engine = Engine(model, cfg, pool_tokens=264, block_size=8, max_batch=2, **FIXED)
+    stopped = threading.Event()
+    stopped.set()
+    assert engine.warm_up(128, stop=stopped) == 0  # a server stopping: no compile starts
     assert engine.warm_up(128) == 2 + 2  # one token axis with and without a probe; loops of 1 and 2 rows
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         results = engine.generate(REQUESTS, AFFIX)

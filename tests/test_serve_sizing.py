@@ -1,4 +1,5 @@
-"""What the server sizes from the device memory the weights leave, and what it refuses at start.
+"""What the server sizes from the device memory the weights leave, what it refuses at start, and a
+SIGTERM during its warm-up.
 
 `cli.serve_context` picks the request context (the server's max-model-len, which sizes each
 engine's KV pool and its fixed read widths) from the memory free after loading; a CPU does not say
@@ -9,10 +10,15 @@ context of 131072 tokens at 56 KiB of K/V a token is what ran an H200 out of mem
 
 from __future__ import annotations
 
+import re
+import signal
+import time
+
 import pytest
 
 from acache_jax.config import InputError
 from acache_jax.serve import cli
+from tests.test_serve import start_server
 
 GIB = 2**30
 DREAM = dict(model_context=131072, token_bytes=28 * 2 * 4 * 128 * 2)  # layers x K,V x kv heads x head dim x bf16
@@ -69,3 +75,27 @@ def test_the_server_refuses_them_at_start(flags, error, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith(error) and err.count("\n") == 1, err
 
+
+def test_sigterm_during_the_warm_up_stops_it_and_exits_0_in_seconds():
+    """SIGTERM while the warm-up compiles (steps of up to 65536 tokens: 70 programs, minutes on
+    a CPU): no compile starts after it, the engine thread ends once those in flight end, every block
+    is freed, exit status 0, no traceback and no C++ abort. Before: the warm-up went on, the
+    shutdown gave up on the engine thread after 30 s ('did not stop in time', exit 1), and the
+    process then waited for every program (3 minutes here) or aborted at exit (on the H200:
+    'terminate called after throwing an instance of ...')."""
+    proc, _ = start_server("--warmup-tokens", "65536")
+    try:
+        sigterm = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(60)
+        took = time.perf_counter() - sigterm
+        log = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    compiled = re.search(r"warm-up stopped with the server, having compiled (\d+) programs", log)
+    assert status == 0 and compiled and int(compiled[1]) < 70, log
+    assert "stopped; 0 KV blocks left allocated" in log, log
+    for word in ("Traceback", "terminate called", "did not stop", "warm-up failed"):
+        assert word not in log, log
+    print(f"\nexited {took:.1f} s after SIGTERM, having compiled {compiled[1]} programs")

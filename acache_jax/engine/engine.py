@@ -16,6 +16,7 @@ Fast-dLLM baseline in the same engine: every request owns all its columns and re
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 
@@ -228,12 +229,14 @@ class Engine:
         return EngineUsage(len(self.scheduler.running), len(self.scheduler.waiting), self.scheduler.blocks_in_use,
                            bm.num_blocks)
 
-    def warm_up(self, max_tokens: int, threads: int = 8) -> int:
+    def warm_up(self, max_tokens: int, threads: int | None = None, stop: threading.Event | None = None) -> int:
         """Compile every program that steps of up to `max_tokens` tokens run (an engine with
-        `fixed_shapes`), `threads` at a time; returns how many. A step of more tokens than that still
-        compiles its own program when it first comes."""
+        `fixed_shapes`), `threads` at a time (default: `Runner.warm_up`'s); returns how many it
+        compiled. A step of more tokens than that still compiles its own program when it first
+        comes. Setting `stop` (from another thread) starts no more compiles: the call returns once
+        those in flight end (`Runner.warm_up`)."""
         with use_mesh(self.model.mesh):
-            return self.runner.warm_up(max_tokens, threads)
+            return self.runner.warm_up(max_tokens, threads, stop)
 
     def request_config(self, gen_length: int) -> DecodeConfig:
         """The static path's config of a request with this gen length: the same schedule per block."""
