@@ -13,7 +13,6 @@ affix's first position in the segment).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -53,9 +52,11 @@ class KVPool:
     def num_slots(self) -> int:
         return self.k[0].shape[0]
 
-    @property
-    def bytes_per_slot(self) -> int:
-        return 2 * sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in self.k)
+    @staticmethod
+    def slot_bytes(cfg: ModelConfig, dtype: Any) -> int:
+        """Bytes of one slot (a token's K and V in every layer) of the pool `zeros` makes for this
+        config and dtype: what sizes a pool before it exists (a server's budget) and after."""
+        return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
 @jax.tree_util.register_dataclass

@@ -66,19 +66,20 @@ def affix_token_ids(affix: Any) -> list[int]:
     return token_ids(affix.ids if hasattr(affix, "ids") else affix, "the affix")
 
 
-def check_context(max_seq_len: int, **tokens: int) -> None:
+def check_context(max_seq_len: int, within: str = "the model's context", **tokens: int) -> None:
     """A clear error when the named token counts (`prompt=3, affix=20, gen_length=32`) do not fit in
-    the model's context. Plain arithmetic on counts, never on rows: every path (the CLI, JSONL lines,
-    `generate`, `Engine.add`, the server, lm-eval, likelihood, affix caches) checks lengths here
-    before any row, buffer or program exists, so refusing `gen_length=10**10` costs nothing."""
+    the model's context (`within` names another limit: an engine's smaller context). Plain
+    arithmetic on counts, never on rows: every path (the CLI, JSONL lines, `generate`, `Engine.add`,
+    the server, lm-eval, likelihood, affix caches) checks lengths here before any row, buffer or
+    program exists, so refusing `gen_length=10**10` costs nothing."""
     total = sum(tokens.values())
     if total <= max_seq_len:
         return
     if len(tokens) == 1:
         (name, n), = tokens.items()
-        raise RequestError(f"the {name} has {n} tokens, more than the model's context of {max_seq_len}")
+        raise RequestError(f"the {name} has {n} tokens, more than {within} of {max_seq_len}")
     parts = " + ".join(f"{name} {n}" for name, n in tokens.items() if n)
-    raise RequestError(f"{parts} = {total} tokens exceeds the model's context of {max_seq_len}")
+    raise RequestError(f"{parts} = {total} tokens exceeds {within} of {max_seq_len}")
 
 
 def check_vocabulary(ids: Sequence[int], vocab_size: int, what: str = "token ids") -> None:

@@ -2,6 +2,7 @@
 
 import functools
 import logging
+import threading
 
 import jax
 import numpy as np
@@ -108,6 +109,9 @@ def test_a_warmed_up_engine_compiles_no_step(fixtures_dir, caplog):
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
     # a pool size of its own: no other test has compiled these programs, whatever ran before
     engine = Engine(model, cfg, pool_tokens=264, block_size=8, max_batch=2, **FIXED)
+    stopped = threading.Event()
+    stopped.set()
+    assert engine.warm_up(128, stop=stopped) == 0  # a server stopping: no compile starts
     assert engine.warm_up(128) == 2 + 2  # one token axis with and without a probe; loops of 1 and 2 rows
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         results = engine.generate(REQUESTS, AFFIX)
@@ -128,6 +132,26 @@ def test_pool_limits(fixtures_dir):
     assert len(results) == 3 and engine.stats.peak_blocks <= 10
     with pytest.raises(RequestTooLargeError, match="more than the pool"):
         Engine(model, cfg, pool_tokens=32, block_size=8).add(REQUESTS[1], AFFIX)
+
+
+def test_the_engine_context_bounds_its_pool_read_widths_and_requests(fixtures_dir):
+    """`context` (a server's --max-model-len) sizes the default pool (max_batch x context) and, with
+    fixed shapes, the read widths, in place of the model's context (256 here; Dream's 131072 made a
+    server's pool and programs too large for an H200); a longer request is refused, and so is a
+    context beyond the model's."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.2)
+    whole = Engine(model, cfg, block_size=8, max_batch=2, **FIXED)
+    assert whole.runner.pool.num_slots == 2 * 256 and whole.runner.read_widths == [256, 256]
+    engine = Engine(model, cfg, block_size=8, max_batch=2, context=64, **FIXED)
+    assert engine.runner.pool.num_slots == 2 * 64 and engine.usage().blocks == 2 * 64 // 8
+    assert engine.runner.read_widths == [64, 64]
+    engine.add(Request([5] * 48), gen_length=16)  # 64 tokens: queued
+    too_long = r"prompt 49 \+ gen_length 16 = 65 tokens exceeds this engine's context of 64"
+    with pytest.raises(RequestError, match=too_long):
+        engine.add(Request([5] * 49), gen_length=16)
+    with pytest.raises(DecodeError, match="context 257 exceeds the model's context of 256 tokens"):
+        Engine(model, cfg, context=257)
 
 
 def test_engine_rejects_what_it_cannot_run(fixtures_dir):

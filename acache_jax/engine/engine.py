@@ -16,6 +16,7 @@ Fast-dLLM baseline in the same engine: every request owns all its columns and re
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 
@@ -27,7 +28,8 @@ from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.runner import Observer, Runner
 from acache_jax.engine.scheduler import Plan, Scheduler, StepOutput
 from acache_jax.engine.sequence import SequenceState
-from acache_jax.layout import Request, RequestError, check_affix, check_request
+from acache_jax.kv import KVPool
+from acache_jax.layout import Request, RequestError, check_affix, check_context, check_request
 from acache_jax.model import Model
 from acache_jax.sharding import use_mesh
 
@@ -110,28 +112,36 @@ class Engine:
     timed, each jitted call's device time); None, the default and a server's setting, keeps
     nothing per forward.
     fixed_shapes: run every step on programs that do not depend on the traffic (read widths for the
-    model's whole context, token axes four per octave), so that `warm_up` can compile them all
+    whole `context`, token axes four per octave), so that `warm_up` can compile them all
     beforehand, as a server wants; otherwise shapes follow the requests (less padding, programs
     compiled as new shapes appear).
+    context: prompt + generated tokens of the longest request the engine serves (default, and at
+    most, the model's context); a longer request is refused. It sizes the default pool (max_batch x
+    context) and the fixed shapes' read widths: a model whose context is far longer than its
+    requests (Dream's 131072 tokens) would otherwise get a pool and programs for that length.
     """
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
                  block_size: int = 16, max_batch: int = 16, observer: Observer | None = None,
-                 fixed_shapes: bool = False):
+                 fixed_shapes: bool = False, context: int | None = None):
         config = resolve_decode_config(config, model.generation_config)
-        for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch)):
+        for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch),
+                            ("context", context)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise DecodeError(f"{name} must be a positive integer, got {value!r}")
+        if context is not None and context > model.config.max_seq_len:
+            raise DecodeError(f"context {context} exceeds the model's context of {model.config.max_seq_len} tokens")
         check_engine_config(config)
         self.model, self.config = model, config
         self.policy = ENGINE_POLICIES[config.cache]
-        pool_tokens = pool_tokens or max_batch * model.config.max_seq_len
+        self.context = context or model.config.max_seq_len
+        pool_tokens = pool_tokens or max_batch * self.context
         num_blocks = -(-pool_tokens // block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_batch)
-        self.runner = Runner(model, config, num_blocks * block_size, max_batch, observer, fixed_shapes)
+        self.runner = Runner(model, config, num_blocks * block_size, max_batch, self.context, observer, fixed_shapes)
         self.stats = EngineStats()
-        self._block_bytes = block_size * self.runner.pool.bytes_per_slot
+        self._block_bytes = block_size * KVPool.slot_bytes(model.config, model.dtype)
         self._mask_id = model.config.mask_token_id
         self._eos = model.config.eos_token_id if config.early_stop else None  # a block all of it ends a request
         self._live: dict[int, SequenceState] = {}  # queued and running requests
@@ -164,6 +174,8 @@ class Engine:
         if affix_ids is not None and request.affix_position is None:
             raise RequestError("an affix was given but the request has no affix_position (prefix / infix / suffix)")
         check_request(request, gen_length, mcfg, affix_ids)
+        check_context(self.context, "this engine's context", **request.lengths(len(affix_ids or ())),
+                      gen_length=gen_length)
         self.request_config(gen_length)  # a multiple of the block length
         return affix_ids, gen_length
 
@@ -217,12 +229,14 @@ class Engine:
         return EngineUsage(len(self.scheduler.running), len(self.scheduler.waiting), self.scheduler.blocks_in_use,
                            bm.num_blocks)
 
-    def warm_up(self, max_tokens: int, threads: int = 8) -> int:
+    def warm_up(self, max_tokens: int, threads: int | None = None, stop: threading.Event | None = None) -> int:
         """Compile every program that steps of up to `max_tokens` tokens run (an engine with
-        `fixed_shapes`), `threads` at a time; returns how many. A step of more tokens than that still
-        compiles its own program when it first comes."""
+        `fixed_shapes`), `threads` at a time (default: `Runner.warm_up`'s); returns how many it
+        compiled. A step of more tokens than that still compiles its own program when it first
+        comes. Setting `stop` (from another thread) starts no more compiles: the call returns once
+        those in flight end (`Runner.warm_up`)."""
         with use_mesh(self.model.mesh):
-            return self.runner.warm_up(max_tokens, threads)
+            return self.runner.warm_up(max_tokens, threads, stop)
 
     def request_config(self, gen_length: int) -> DecodeConfig:
         """The static path's config of a request with this gen length: the same schedule per block."""

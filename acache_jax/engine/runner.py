@@ -22,6 +22,8 @@ import dataclasses
 import functools
 import itertools
 import math
+import os
+import threading
 import time
 from typing import Any, NamedTuple, Protocol
 
@@ -259,7 +261,7 @@ class Observer(Protocol):
 class Runner:
     """Owns the pool; turns plans into device inputs and runs them (see the module docstring)."""
 
-    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int,
+    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, context: int,
                  observer: Observer | None = None, fixed_shapes: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
         self.program_config = config.program_key()  # the jitted steps' static config
@@ -268,12 +270,13 @@ class Runner:
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
         self.observer = observer
-        # Fixed shapes (a server): read widths for the model's whole context and token axes from
-        # FIXED_AXIS, so the programs do not depend on the traffic and `warm_up` can compile them all.
+        # Fixed shapes (a server): read widths for the engine's whole context (the longest request it
+        # serves) and token axes from FIXED_AXIS, so the programs do not depend on the traffic and
+        # `warm_up` can compile them all.
         self.fixed_shapes = fixed_shapes
-        context = bucket(model.config.max_seq_len)
+        width = bucket(context)
         # per read set (private, shared): wide enough for every request queued so far
-        self.read_widths = [context, context if config.selective else 0] if fixed_shapes else [0, 0]
+        self.read_widths = [width, width if config.selective else 0] if fixed_shapes else [0, 0]
         self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
 
     def _fill_affix(self, affix: AffixCache | list[int], slots: np.ndarray, work: Work) -> None:
@@ -402,10 +405,16 @@ class Runner:
                       self.pool.num_slots)
         return BlockLoop(rows, write, _rows(block, self.config.block_length, n, 0))
 
-    def warm_up(self, max_tokens: int, threads: int = 8) -> int:
-        """Compile, `threads` at a time, every program a fixed-shape runner runs for steps of up to
-        `max_tokens` tokens: the packed step at each token axis (with and without a probe) and the
-        block loop at each row count. Returns how many there were."""
+    def warm_up(self, max_tokens: int, threads: int | None = None, stop: threading.Event | None = None) -> int:
+        """Compile, `threads` at a time (default 8, or the CPU count if fewer: more compiles than
+        cores only share them, and the compiles in flight are what a stop waits for), every program
+        a fixed-shape runner runs for steps of up to `max_tokens` tokens: the packed step at each
+        token axis (with and without a probe) and the block loop at each row count. Returns how many
+        it compiled: all of them, unless `stop` was set meanwhile (a server stopping). Once `stop` is
+        set, or a compile has failed, no compile starts: the call returns (or raises that failure)
+        when those in flight end. A failure would otherwise leave every other program to fail in
+        turn (at 8B shapes, minutes of them), and a process that exits while XLA compiles in its
+        threads aborts."""
         if not self.fixed_shapes:
             raise ValueError("warm_up needs a runner with fixed shapes (the programs depend on the traffic otherwise)")
         n_rows = row_bucket(self.max_batch) + 1
@@ -423,10 +432,21 @@ class Runner:
             packing, buffer = pack((reads, self._loop(empty, n_rows, loop_rows)))
             programs.append((block_loop, self.structure, self.program_config, packing, self.params, self.pool, buffer,
                              after))
-        # lowered from values like those `run` passes: a later call runs the program compiled here
-        with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-            list(ex.map(lambda p: p[0].lower(*p[1:]).compile(), programs))
-        return len(programs)
+        failed = threading.Event()
+
+        def compile_one(program: tuple) -> bool:
+            if failed.is_set() or (stop is not None and stop.is_set()):
+                return False
+            try:  # lowered from values like those `run` passes: a later call runs the program compiled here
+                program[0].lower(*program[1:]).compile()
+            except BaseException:
+                failed.set()
+                raise
+            return True
+
+        with concurrent.futures.ThreadPoolExecutor(threads or min(8, os.cpu_count() or 1)) as ex:
+            done = list(ex.map(compile_one, programs))  # the first failure raises, once every task has ended
+        return sum(done)
 
     def _deviation_ranking(self, probe: list[SequenceState], work: Work) -> tuple[Ranking, np.ndarray]:
         """Dispatch the hkvd selectors' forward for the newly admitted (their text, hkvd_block: and

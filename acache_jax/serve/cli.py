@@ -2,8 +2,10 @@
 
 Decoding settings start from the model's generation_config.json, then these flags, then each
 request's knobs. The server defaults to ACache (`--cache acache`) with early stop, and discovers
-shared spans unless `--no-discovery`. SIGTERM or Ctrl-C: no new requests are accepted, running ones
-get `--shutdown-timeout` seconds to finish, the rest are answered 503 (a stream: an error event and
+shared spans unless `--no-discovery`. Each engine's KV pool holds `--max-batch` requests of
+`--max-model-len` tokens, a length chosen to fit the device memory the weights leave unless given
+(`serve_context`). SIGTERM or Ctrl-C: no new requests are accepted, running ones get
+`--shutdown-timeout` seconds to finish, the rest are answered 503 (a stream: an error event and
 `[DONE]`); every KV slot is freed. Exit status: 0 when every request finished, 3 when the shutdown
 cut some, 1 when the server could not start or its engine thread did not stop, 2 for a bad flag.
 """
@@ -16,11 +18,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import jax
+
 from acache_jax import compile_cache
 from acache_jax.checkpoint import load
 from acache_jax.cli import DEFAULT_MODEL, Parser, add_compile_cache, positive, threshold
 from acache_jax.config import ATTENTION_BACKENDS, InputError
 from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
+from acache_jax.kv import KVPool
 from acache_jax.serve.limits import Lifecycle, Limits, graceful_server, header_timeout_protocol
 
 if TYPE_CHECKING:
@@ -67,7 +72,8 @@ def parser() -> argparse.ArgumentParser:
                    help="compute every block, even once the answer has ended (measurements)")
     p.add_argument("--backend", choices=ATTENTION_BACKENDS, help="attention backend (default: pallas on a GPU)")
     p.add_argument("--max-batch", type=positive, default=16, help="requests decoded together per engine")
-    p.add_argument("--pool-tokens", type=positive, help="KV pool per engine in tokens (default: batch x context)")
+    p.add_argument("--pool-tokens", type=positive,
+                   help="KV pool per engine in tokens (default: --max-batch x --max-model-len)")
     p.add_argument("--max-engines", type=positive, default=4, help="distinct decoding settings served at once")
     p.add_argument("--max-queue", type=positive, default=256, help="requests queued or running; more get 429")
     p.add_argument("--no-discovery", dest="discovery", action="store_false", help="serve declared affixes only")
@@ -93,8 +99,10 @@ def parser() -> argparse.ArgumentParser:
                         "default); larger: 400 (default: %(default)s)")
     p.add_argument("--keep-alive-timeout", type=positive, default=limits.keep_alive_timeout,
                    help="seconds an idle keep-alive connection is kept (default: %(default)s)")
-    p.add_argument("--max-model-len", type=positive, help="most prompt + generated tokens of a request (default and "
-                                                           "at most: the model's context)")
+    p.add_argument("--max-model-len", type=positive,
+                   help="most prompt + generated tokens of a request (at most the model's context; default: the "
+                        "model's context, or where a pool of --max-batch requests that long would not fit in half "
+                        "the device memory the weights leave, the longest power of two that does)")
     p.add_argument("--max-prompt-tokens", type=positive,
                    help="most prompt tokens (affix and tail included; default: what the context leaves)")
     add_compile_cache(p)
@@ -109,6 +117,62 @@ def _check_lengths(args: argparse.Namespace, context: int, gen_length: int) -> N
     if gen_length >= (args.max_model_len or context):
         raise InputError(f"the default generation length {gen_length} (--gen-length, else the model's) leaves no room "
                          f"for a prompt in {args.max_model_len or context} tokens")
+
+
+def free_device_bytes() -> int | None:
+    """Memory free now on the device the server runs on (its allocator's limit less what is in use:
+    after loading, less the weights), or None where the backend does not say (a CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return stats["bytes_limit"] - stats["bytes_in_use"]
+
+
+def serve_context(model_context: int, max_batch: int, token_bytes: int, free_bytes: int | None, gen_length: int,
+                  max_model_len: int | None = None, pool_tokens: int | None = None) -> tuple[int, str | None]:
+    """(the context requests get, the server's max-model-len; a line saying why, when it is below
+    the model's and no flag set it), so that an engine's KV pool (`token_bytes` a token) fits in
+    half of `free_bytes`, the device memory free after the weights (None: not known, nothing is
+    checked); the other half is for activations (a step of --warmup-tokens tokens) and compiled
+    programs. An engine's default pool is max_batch requests of that context: the model's, unless
+    that would not fit (Dream's 131072 tokens x 16 are 112 GiB of K/V), then the longest power of
+    two that does, with room for a prompt as long as the default answer. A --max-model-len or
+    --pool-tokens whose pool does not fit is an InputError: one line at start, not an
+    out-of-memory error in the warm-up or a first request."""
+    budget = None if free_bytes is None else free_bytes // 2
+    fits = lambda tokens: budget is None or tokens * token_bytes <= budget
+    kv = lambda tokens: _size(tokens * token_bytes)
+    room = "" if budget is None else (f"half of the {_size(free_bytes)} the device has free after the weights "
+                                      f"({budget // token_bytes} tokens of KV at {token_bytes} bytes each)")
+    if pool_tokens is not None:
+        if not fits(pool_tokens):
+            raise InputError(f"--pool-tokens {pool_tokens} needs {kv(pool_tokens)} of KV, more than {room}")
+        if max_model_len is not None and max_model_len > pool_tokens:
+            raise InputError(f"--max-model-len {max_model_len} exceeds --pool-tokens {pool_tokens}: a request that "
+                             "long would never fit in the pool")
+        return max_model_len or model_context, None
+    if max_model_len is not None:
+        if not fits(max_batch * max_model_len):
+            raise InputError(f"a KV pool of --max-batch {max_batch} x --max-model-len {max_model_len} tokens needs "
+                             f"{kv(max_batch * max_model_len)} of KV, more than {room}; lower either, or set "
+                             "--pool-tokens")
+        return max_model_len, None
+    if fits(max_batch * model_context):
+        return model_context, None
+    least = min(2 * gen_length, model_context)  # the default answer, and as long a prompt
+    most = budget // token_bytes // max_batch
+    context = 1 << (most.bit_length() - 1) if most else 0  # the longest power of two that fits
+    if context < least:
+        raise InputError(f"a KV pool of --max-batch {max_batch} requests of even {least} tokens (the default "
+                         f"generation length {gen_length} and a prompt) needs {kv(max_batch * least)} of KV, more "
+                         f"than {room}; lower --max-batch, or set --pool-tokens")
+    return context, (f"requests of up to {context} tokens (the model's context is {model_context}): a KV pool of "
+                     f"--max-batch {max_batch} x {model_context} tokens would need {kv(max_batch * model_context)} "
+                     f"of KV, more than {room}; --max-model-len, --pool-tokens or --max-batch change this")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,20 +195,26 @@ def main(argv: list[str] | None = None) -> int:
         base = model.decode_config(**fields, cache=args.cache, early_stop=args.early_stop, attn_backend=args.backend)
         check_engine_config(base)
         _check_lengths(args, model.config.max_seq_len, base.gen_length)
-        settings = Settings(max_batch=args.max_batch, pool_tokens=args.pool_tokens, max_engines=args.max_engines,
-                            max_queue=args.max_queue, discovery=args.discovery, min_count=args.affix_min_count,
-                            min_tokens=args.affix_min_tokens, affix_budget_bytes=args.affix_memory_mb << 20,
+        context, note = serve_context(model.config.max_seq_len, args.max_batch,
+                                      KVPool.slot_bytes(model.config, model.dtype), free_device_bytes(),
+                                      base.gen_length, args.max_model_len, args.pool_tokens)
+        settings = Settings(max_batch=args.max_batch, pool_tokens=args.pool_tokens, context=context,
+                            max_engines=args.max_engines, max_queue=args.max_queue, discovery=args.discovery,
+                            min_count=args.affix_min_count, min_tokens=args.affix_min_tokens,
+                            affix_budget_bytes=args.affix_memory_mb << 20,
                             finish_early=args.early_stop, warmup_tokens=args.warmup_tokens,
                             default_engine=engine_config(base))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if note:
+        print(f"acache_jax.serve: {note}", file=sys.stderr, flush=True)
     name = args.served_model_name or (args.model or DEFAULT_MODEL).resolve().name
     worker = Worker(model, settings)
     if settings.warmup_tokens:
         worker.warm_up(base)
     limits = Limits(args.max_body_bytes, args.header_timeout, args.body_timeout, args.max_header_bytes,
-                    args.keep_alive_timeout, args.max_model_len, args.max_prompt_tokens)
+                    args.keep_alive_timeout, context, args.max_prompt_tokens)
     lifecycle = Lifecycle()
     app = create_app(model, base, worker, name, limits, lifecycle)
     # uvicorn's own last resort at shutdown (cancelling handlers) comes only well after the app has

@@ -41,7 +41,8 @@ class Settings:
     """The server's engine and discovery flags."""
 
     max_batch: int = 16
-    pool_tokens: int | None = None  # per engine (default max_batch x the model's context)
+    pool_tokens: int | None = None  # per engine (default max_batch x context)
+    context: int | None = None  # prompt + generated tokens of a request (default the model's context)
     max_engines: int = 4
     max_queue: int = 256  # requests queued or running, over every engine
     discovery: bool = True
@@ -80,6 +81,8 @@ class Worker:
         self._live: dict[str, _Live] = {}  # by job id
         self._lock = threading.Lock()
         self._inflight = 0
+        self._stopping = threading.Event()  # set by `stop`: a warm-up in progress starts no more compiles
+        self._warming = False  # the engine thread is in a warm-up
         self.counters: Counter[str] = Counter()
         self.snapshot: dict[str, float] = {}
         self._publish()
@@ -115,9 +118,15 @@ class Worker:
         self._inbox.put(("reset",))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is left, free every slot and end the thread."""
+        """Cancel what is left, free every slot and end the thread. A warm-up in progress starts no
+        more compiles; the compiles in flight are waited for past `timeout` (a process that exits
+        while XLA compiles in its threads aborts), which bounds the wait for anything else."""
+        self._stopping.set()
         self._inbox.put(("stop",))
         self._thread.join(timeout)
+        if self._thread.is_alive() and self._warming:
+            print("acache_jax.serve: waiting for the warm-up's compiles in flight to end", file=sys.stderr, flush=True)
+            self._thread.join()
 
     @property
     def alive(self) -> bool:
@@ -158,14 +167,17 @@ class Worker:
 
     def _command(self, command: tuple) -> None:
         if command[0] == "warm":
-            start = time.perf_counter()
+            start, tokens = time.perf_counter(), self.settings.warmup_tokens
+            self._warming = True
             try:
-                count = self._engine(command[1]).warm_up(self.settings.warmup_tokens)
-                print(f"acache_jax.serve: compiled {count} programs for steps of up to {self.settings.warmup_tokens} "
-                      f"tokens in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+                count = self._engine(command[1]).warm_up(tokens, stop=self._stopping)
+                what = "warm-up stopped with the server, having compiled" if self._stopping.is_set() else "compiled"
+                print(f"acache_jax.serve: {what} {count} programs for steps of up to {tokens} tokens in "
+                      f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
             except Exception as e:  # the server still serves, compiling as requests need
                 print(f"acache_jax.serve: warm-up failed: {e!r}", file=sys.stderr, flush=True)
             finally:
+                self._warming = False
                 command[2].set()
             return
         if command[0] == "reset":
@@ -214,7 +226,7 @@ class Worker:
                     del self.engines[idle]
             s = self.settings
             engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch,
-                                                   fixed_shapes=s.warmup_tokens > 0)
+                                                   fixed_shapes=s.warmup_tokens > 0, context=s.context)
         self.engines.move_to_end(config)
         return engine
 

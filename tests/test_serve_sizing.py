@@ -1,0 +1,101 @@
+"""What the server sizes from the device memory the weights leave, what it refuses at start, and a
+SIGTERM during its warm-up.
+
+`cli.serve_context` picks the request context (the server's max-model-len, which sizes each
+engine's KV pool and its fixed read widths) from the memory free after loading; a CPU does not say
+what it has free, so the budgets here are pretend ones, given to that function (and once to the
+command line in place of its `free_device_bytes`). The shapes are the real models': Dream-7B's
+context of 131072 tokens at 56 KiB of K/V a token is what ran an H200 out of memory.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+import pytest
+
+from acache_jax.config import InputError
+from acache_jax.serve import cli
+from tests.test_serve import start_server
+
+GIB = 2**30
+DREAM = dict(model_context=131072, token_bytes=28 * 2 * 4 * 128 * 2)  # layers x K,V x kv heads x head dim x bf16
+LLADA = dict(model_context=4096, token_bytes=32 * 2 * 32 * 128 * 2)
+# what the H200 of docs/results/real_scale_dream_h200_622d9fc_stderr.log had free beside Dream-7B's bf16
+# weights: its allocator's limit (XLA's "base limit" there, 104.9 GiB) less about 15 GiB
+H200_FREE = 90 * GIB
+
+
+def test_the_default_context_is_the_model_s_when_its_pool_fits_or_the_memory_is_not_known():
+    assert cli.serve_context(**LLADA, max_batch=16, free_bytes=H200_FREE, gen_length=256) == (4096, None)  # 32 GiB
+    assert cli.serve_context(**DREAM, max_batch=4, free_bytes=H200_FREE, gen_length=256) == (131072, None)  # 28 GiB
+    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=None, gen_length=256) == (131072, None)  # a CPU
+
+
+def test_a_default_pool_that_does_not_fit_lowers_the_context_to_the_longest_power_of_two_that_does():
+    """Dream at --max-batch 16: 16 x 131072 tokens are 112 GiB of K/V, and 65536 tokens 56 GiB, more
+    than half of the 90 GiB free; 32768 (28 GiB) fits. One line says so and names the flags."""
+    context, note = cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256)
+    assert context == 32768
+    assert note.startswith("requests of up to 32768 tokens (the model's context is 131072)") and "112.0 GiB" in note
+    assert "\n" not in note and all(flag in note for flag in ("--max-model-len", "--pool-tokens", "--max-batch"))
+    # flags that fit are taken as they are, and need no line
+    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256,
+                             max_model_len=16384) == (16384, None)
+    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256,
+                             pool_tokens=500_000) == (131072, None)
+
+
+@pytest.mark.parametrize("flags,free,message", [
+    (dict(max_model_len=65536), H200_FREE, "a KV pool of --max-batch 16 x --max-model-len 65536 tokens needs "
+                                           "56.0 GiB of KV, more than half of the 90.0 GiB the device has free"),
+    (dict(pool_tokens=1_000_000), H200_FREE, "--pool-tokens 1000000 needs 53.4 GiB of KV, more than half of the 90.0"),
+    (dict(max_model_len=8192, pool_tokens=4096), None, "--max-model-len 8192 exceeds --pool-tokens 4096"),
+    # half a GiB free: 16 requests of 256 tokens would fit, but 256 leaves no room beside a default answer of 256
+    ({}, GIB // 2, "a KV pool of --max-batch 16 requests of even 512 tokens (the default generation length 256 and"),
+])
+def test_flags_whose_pool_cannot_fit_are_refused_in_one_line(flags, free, message):
+    with pytest.raises(InputError) as e:
+        cli.serve_context(**DREAM, max_batch=16, free_bytes=free, gen_length=256, **flags)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("flags,error", [
+    (["--max-model-len", "100000"], "error: --max-model-len 100000 exceeds the model's context of 512 tokens"),
+    (["--pool-tokens", "4096"], "error: --pool-tokens 4096 needs 24.0 MiB of KV, more than half of the 0.1 MiB"),
+])
+def test_the_server_refuses_them_at_start(flags, error, monkeypatch, capsys):
+    """The command line, in this process, with a pretend device of 64 KiB free after the weights (the
+    shipped model: a context of 512 tokens, 6 KiB of K/V a token in bfloat16): one line on stderr,
+    exit 2, and no server."""
+    monkeypatch.setattr(cli, "free_device_bytes", lambda: 64 << 10)
+    assert cli.main(flags) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(error) and err.count("\n") == 1, err
+
+
+def test_sigterm_during_the_warm_up_stops_it_and_exits_0_in_seconds():
+    """SIGTERM while the warm-up compiles (steps of up to 65536 tokens: 70 programs, minutes on
+    a CPU): no compile starts after it, the engine thread ends once those in flight end, every block
+    is freed, exit status 0, no traceback and no C++ abort. Before: the warm-up went on, the
+    shutdown gave up on the engine thread after 30 s ('did not stop in time', exit 1), and the
+    process then waited for every program (3 minutes here) or aborted at exit (on the H200:
+    'terminate called after throwing an instance of ...')."""
+    proc, _ = start_server("--warmup-tokens", "65536")
+    try:
+        sigterm = time.perf_counter()
+        proc.send_signal(signal.SIGTERM)
+        status = proc.wait(60)
+        took = time.perf_counter() - sigterm
+        log = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    compiled = re.search(r"warm-up stopped with the server, having compiled (\d+) programs", log)
+    assert status == 0 and compiled and int(compiled[1]) < 70, log
+    assert "stopped; 0 KV blocks left allocated" in log, log
+    for word in ("Traceback", "terminate called", "did not stop", "warm-up failed"):
+        assert word not in log, log
+    print(f"\nexited {took:.1f} s after SIGTERM, having compiled {compiled[1]} programs")
