@@ -150,12 +150,11 @@ def _map_tensor(info: _TensorInfo) -> np.ndarray:
     map goes when the array does, so only tensors in flight count in RSS). Nothing is copied on the
     host: the transfer to the device reads the page cache directly. Reading into a fresh buffer
     first cost an 8B load 7 s on an H200's host (page faults and a second copy) against 2 s to
-    read the files. The kernel is asked to start reading the region now (a cold disk)."""
+    read the files. (Asking the kernel to read ahead, madvise WILLNEED, cost 10 s of an 8B load
+    from the page cache: it walks every page of the region, on the thread that hands tensors out.)"""
     start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
     with open(info.file, "rb") as f:
         region = mmap.mmap(f.fileno(), info.offset + info.nbytes - start, access=mmap.ACCESS_READ, offset=start)
-    if hasattr(mmap, "MADV_WILLNEED"):
-        region.madvise(mmap.MADV_WILLNEED)
     count = info.nbytes // _ST_ITEMSIZE[info.dtype]
     return np.frombuffer(region, _ST_DTYPES[info.dtype], count, info.offset - start).reshape(info.shape)
 

@@ -39,7 +39,7 @@ from pathlib import Path
 GB = 1e9
 STEPS = ("convert", "load", "generate", "engine", "lm_eval", "serve")
 STATS_ENV = "REAL_SCALE_STATS"  # where a child writes its device and compile figures
-PROFILE_ENV = "REAL_SCALE_PROFILE"  # set: each step prints a cProfile of its command (load: of the load) to stderr
+PROFILE_ENV = "REAL_SCALE_PROFILE"  # set: each step prints a cProfile of its command to stderr (and runs slower)
 CACHE_ENV = "ACACHE_JAX_COMPILE_CACHE"
 
 
