@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,7 +178,21 @@ def place_param(path: Sequence[Any], array: np.ndarray | jax.Array, cfg: ModelCo
             array = jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
     if not transposed and copies == 1 and array.dtype == jnp.dtype(dtype):
         return array
-    return _relayout(jnp.dtype(dtype), transposed, copies, cfg.num_kv_heads, cfg.head_dim, target)(array)
+    relayout = _relayout(jnp.dtype(dtype), transposed, copies, cfg.num_kv_heads, cfg.head_dim, target)
+    signature = (relayout, array.shape, array.dtype, array.sharding)
+    if signature not in _compiled:
+        # The first call compiles. Loading places tensors on several threads, and jax does not
+        # share a compile in flight: concurrent first calls of one program each compiled it.
+        with _compiling:
+            if signature not in _compiled:
+                placed = relayout(array)
+                _compiled.add(signature)
+                return placed
+    return relayout(array)
+
+
+_compiling = threading.Lock()
+_compiled: set = set()  # (relayout, shape, dtype, sharding) already called once
 
 
 @functools.cache
