@@ -40,14 +40,6 @@ class KVPool:
         device = None if mesh is None else kv_sharding(mesh)
         return cls(*(tuple(jnp.zeros(shape, dtype, device=device) for _ in range(cfg.num_layers)) for _ in range(2)))
 
-    @classmethod
-    def from_rows(cls, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], positions: jax.Array,
-                  rope_theta: float) -> KVPool:
-        """The pool of a dense forward's K (before RoPE) and V, layers x [B, T, H, D]: row b's token
-        t in slot b * T + t, K rotated at `positions` [B, T]."""
-        flat = lambda a: a.reshape(-1, *a.shape[2:])
-        return cls(tuple(flat(rope(a, positions, rope_theta)) for a in k), tuple(map(flat, v)))
-
     @property
     def num_slots(self) -> int:
         return self.k[0].shape[0]

@@ -38,6 +38,7 @@ from acache_jax.kv import KVPool, read_set, rows_access
 from acache_jax.model import ForwardInputs, Model, abstract_transformer
 from acache_jax.files import write_atomic
 from acache_jax.sharding import make_mesh, param_sharding, place_rows, sharded_config, use_mesh
+from pallas_kernels import rope
 
 PEAK_TFLOPS = 800.0  # bf16 dense matmul measured on one H200 (8192^3 product, random data)
 
@@ -89,6 +90,14 @@ def parse_meshes(text: str) -> dict[str, Mesh | None]:
     return out
 
 
+def pool_from_rows(k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], positions: jax.Array,
+                   rope_theta: float) -> KVPool:
+    """The pool of a dense forward's K (before RoPE) and V, layers x [B, T, H, D]: row b's token t in
+    slot b * T + t, K rotated at `positions` [B, T] (a cached row, as the in-block forwards read it)."""
+    flat = lambda a: a.reshape(-1, *a.shape[2:])
+    return KVPool(tuple(flat(rope(a, positions, rope_theta)) for a in k), tuple(map(flat, v)))
+
+
 def forward_flops(cfg: ModelConfig, batch: int, tq: int, tk: int, logit_tokens: int) -> float:
     """Matmul FLOPs of one forward: projections and MLP per query token, attention q.k and p.v, LM head."""
     d, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
@@ -137,7 +146,7 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
         """The block [B, bl] (its positions are its columns) written into its rows' pool, reading
         the cached columns and itself."""
         b, t = kpos.shape
-        pool = KVPool.from_rows(k, v, kpos, cfg.rope_theta)
+        pool = pool_from_rows(k, v, kpos, cfg.rope_theta)
         rows = jnp.arange(b)[:, None] * t
         write = rows + pos
         in_block = jnp.zeros((b, t), bool).at[jnp.arange(b)[:, None], pos].set(True)

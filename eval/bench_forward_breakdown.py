@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.kv import KVPool, read_set, rows_access
+from acache_jax.kv import read_set, rows_access
 from acache_jax.model import ForwardInputs
-from eval.bench_decode import forward_flops, llada_8b, median_seconds, random_model
+from eval.bench_decode import forward_flops, llada_8b, median_seconds, pool_from_rows, random_model
 
 
 def main() -> None:
@@ -47,7 +47,7 @@ def main() -> None:
         reads = (read_set(jnp.arange(t)[None], jnp.ones((1, t), bool), jnp.zeros(1)),)
         for backend in ("pallas", "xla"):
             def fn(p, i, q, k, v, backend=backend):
-                access = rows_access(KVPool.from_rows(k, v, pos, cfg.rope_theta), q, reads)
+                access = rows_access(pool_from_rows(k, v, pos, cfg.rope_theta), q, reads)
                 return structure.forward(p, i.reshape(-1), ForwardInputs(q.reshape(-1), access=access),
                                attn_backend=backend).logits
             sec = median_seconds(jax.jit(fn), params, bids, bpos, out.k, out.v, iters=20)

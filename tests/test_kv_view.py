@@ -8,6 +8,7 @@ import pytest
 
 import acache_jax
 from acache_jax.kv import KVPool, PoolAccess, flat_index, read_set, rows_access
+from eval.bench_decode import pool_from_rows
 from acache_jax.model import ForwardInputs
 from pallas_kernels import rope
 
@@ -25,7 +26,7 @@ def _full(model, ids):
 def _pool_of(model, full, rows):
     """A pool holding a dense forward's K (rotated at its positions) and V, in the order `rows`."""
     b, t = full.k[0].shape[:2]
-    pool = KVPool.from_rows(full.k, full.v, jnp.broadcast_to(jnp.arange(t), (b, t)), model.config.rope_theta)
+    pool = pool_from_rows(full.k, full.v, jnp.broadcast_to(jnp.arange(t), (b, t)), model.config.rope_theta)
     return KVPool(tuple(k[rows] for k in pool.k), tuple(v[rows] for v in pool.v))
 
 
