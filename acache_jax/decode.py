@@ -203,14 +203,13 @@ def _loop_key(config: DecodeConfig) -> DecodeConfig:
     return dataclasses.replace(config.program_key(), selector=DecodeConfig.selector, anchor_mass=None)
 
 
-def check_policy(config: DecodeConfig, request: Request, affix: Sequence[int] | None) -> None:
-    """What the cache policy asks of a request: selective recompute needs a placed affix, no CFG."""
+def check_policy(config: DecodeConfig, affix: Sequence[int] | None) -> None:
+    """What the cache policy asks of requests: selective recompute needs an affix (placed: every
+    path refuses an affix without a position, `layout.check_request`), no CFG."""
     if not config.selective:
         return
     if affix is None:
         raise DecodeError(f"cache policy {config.cache!r} needs an affix (affix ids or an AffixCache)")
-    if request.affix_position is None:
-        raise DecodeError(f"cache policy {config.cache!r}: every request needs an affix_position")
     if config.cfg_scale > 0:
         raise DecodeError("classifier-free guidance is not supported with selective recompute")
 
@@ -237,8 +236,7 @@ def generate(
         raise DecodeError(f"max_batch must be a positive integer, got {max_batch!r}")
     requests = as_requests(prompts)
     affix_ids = check_requests(requests, config.gen_length, model.config, affix)
-    for r in requests:
-        check_policy(config, r, affix_ids)
+    check_policy(config, affix_ids)
     cache, k = None, 0
     if config.selective:
         cache = affix if isinstance(affix, AffixCache) else build_affix_cache(model, affix_ids)

@@ -293,7 +293,7 @@ def _job(model: Model, args: argparse.Namespace, flags: dict[str, Any], req: dic
         check_request(request, config.gen_length, model.config, affix)
     except InputError as e:
         raise RequestError(model.name_defaults(str(e), settings)) from None
-    check_policy(config, request, affix)
+    check_policy(config, affix)
     return _Job(config, None if affix is None else tuple(affix), request)
 
 

@@ -116,7 +116,7 @@ class Request:
                 "prompt_tail": len(self.tail)}
 
     def row(self, affix: Sequence[int], gen_length: int, mask_id: int) -> Row:
-        """This request's columns with `affix` placed (ignored without an affix_position)."""
+        """This request's columns with `affix` placed (`check_request` refuses an affix without a position)."""
         prompt, tail, affix = list(self.prompt), list(self.tail), list(affix)
         masks = [mask_id] * gen_length
         if self.affix_position is None:
@@ -260,6 +260,8 @@ def check_request(r: Request, gen_length: int, mcfg: ModelConfig, affix: list[in
             raise RequestError(f"affix_position {r.affix_position!r} given without an affix")
         if r.affix_position == "infix" and not tail:
             raise RequestError("an infix affix needs a prompt tail after it (prompt_tail)")
+    elif affix is not None:  # one rule on every path: an affix given is placed, never dropped
+        raise RequestError("an affix was given but the request has no affix_position (prefix / infix / suffix)")
     if tail and r.affix_position != "infix":
         raise RequestError(f"a prompt tail goes after an infix affix; this request's affix position is "
                            f"{r.affix_position!r}")

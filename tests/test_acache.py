@@ -262,7 +262,7 @@ def test_bad_input(model, cache, fixtures_dir):
         generate(model, REQUESTS, acache)
     with pytest.raises(InputError, match="cache policy 'acache' needs an affix"):
         generate(model, [Request([1, 2])], acache)
-    with pytest.raises(InputError, match="every request needs an affix_position"):
+    with pytest.raises(InputError, match="an affix was given but the request has no affix_position"):
         generate(model, [Request([1, 2])], acache, affix=cache)
     other = acache_jax.load(fixtures_dir / "models" / ("llada_mha" if model.config.family == "llada" else "dream_gqa"),
                             dtype="float32")

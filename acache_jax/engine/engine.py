@@ -29,7 +29,7 @@ from acache_jax.engine.runner import Observer, Runner
 from acache_jax.engine.scheduler import Plan, Scheduler, StepOutput
 from acache_jax.engine.sequence import SequenceState
 from acache_jax.kv import KVPool
-from acache_jax.layout import Request, RequestError, check_affix, check_context, check_request
+from acache_jax.layout import Request, check_affix, check_context, check_request
 from acache_jax.model import Model
 from acache_jax.sharding import use_mesh
 
@@ -171,8 +171,6 @@ class Engine:
         if isinstance(affix, AffixCache):
             check_affix_cache(self.model, affix)
         affix_ids = None if affix is None else check_affix(affix, mcfg)
-        if affix_ids is not None and request.affix_position is None:
-            raise RequestError("an affix was given but the request has no affix_position (prefix / infix / suffix)")
         check_request(request, gen_length, mcfg, affix_ids)
         check_context(self.context, "this engine's context", **request.lengths(len(affix_ids or ())),
                       gen_length=gen_length)
