@@ -157,7 +157,7 @@ def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Me
                               "convert the model again")
     # Reads in flight bounded as the write's are (orbax's default is 96 GB: an 8B restore on an H200
     # held 23 GB of host memory for a 16 GB model); the bound must exceed the largest tensor.
-    largest = max(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(target))
+    largest = max(map(_nbytes, jax.tree.leaves(target)))
     in_flight = max(SAVE_IN_FLIGHT_BYTES, largest + 1)
     in_flight_gb = -(-in_flight // 10**9)
 
@@ -193,7 +193,7 @@ def _groups(flat: list[tuple[tuple, Any]], limit: int) -> Iterator[list[tuple[tu
     """Consecutive (path, array-like) entries, a group of at most `limit` bytes at a time (a larger entry alone)."""
     group, size = [], 0
     for entry in flat:
-        nbytes = int(np.prod(entry[1].shape)) * np.dtype(entry[1].dtype).itemsize
+        nbytes = _nbytes(entry[1])
         if group and size + nbytes > limit:
             yield group
             group, size = [], 0
@@ -201,6 +201,11 @@ def _groups(flat: list[tuple[tuple, Any]], limit: int) -> Iterator[list[tuple[tu
         size += nbytes
     if group:
         yield group
+
+
+def _nbytes(a: Any) -> int:
+    """Bytes of an array or of a shape-only stand-in (ShapeDtypeStruct, np.empty target)."""
+    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
 
 
 def _flatten(tree: dict, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
