@@ -264,6 +264,13 @@ def _compiler_params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+# The kernels' wrappers are jitted so that calls of the same shapes inside one program (a model's layers,
+# unrolled) are lowered once: lowering a Pallas kernel to Triton is Python work, about 0.1 s a call, and a
+# program is lowered at every start, even when its executable comes from the persistent compilation cache.
+_TUNING = ("sm_scale", "interpret", "block_q", "block_k", "num_warps", "num_stages")
+
+
+@functools.partial(jax.jit, static_argnames=(*_TUNING, "splits"))
 def _pallas(q, k_pool, v_pool, slots, kv_lens, sm_scale, interpret, block_q, block_k, num_warps, num_stages,
             splits):
     b, tq, hq, d = q.shape
@@ -345,6 +352,15 @@ def anchor_importance(
     if lse is None:
         _, lse = _pallas(q, k_pool, k_pool, read_slot_map, kv_lens, sm_scale, interpret, block_q, block_k,
                          num_warps, num_stages, None)
+    return _importance(q, k_pool, read_slot_map, kv_lens, weights, lse, sm_scale=sm_scale, interpret=interpret,
+                       block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+
+
+@functools.partial(jax.jit, static_argnames=_TUNING)
+def _importance(q, k_pool, read_slot_map, kv_lens, weights, lse, sm_scale, interpret, block_q, block_k, num_warps,
+                num_stages):
+    """`anchor_importance`'s Pallas path."""
+    b, tq, hq, d = q.shape
     s, hkv, _ = k_pool.shape
     qs, bm, _ = _stack_heads(q, hkv, block_q)
     lse_s, _, _ = _stack_heads(lse, hkv, block_q, pad_value=jnp.finfo(jnp.float32).max)

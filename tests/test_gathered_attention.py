@@ -1,5 +1,8 @@
 """The gathered-attention and anchor-importance kernels (Pallas, interpret mode) against the jnp oracle."""
 
+import collections
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -155,3 +158,23 @@ def test_model_pallas_backend_equals_xla():
     np.testing.assert_allclose(got.logits, want.logits, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(got.probe, want.probe, atol=1e-4, rtol=1e-4)
     chex.assert_trees_all_close(got.pool, want.pool, atol=1e-5)
+
+
+def test_a_program_lowers_each_kernel_shape_once():
+    """Layers call the kernels with the same shapes; the program holds one lowered copy of each, not
+    one per call (lowering a kernel is Python work paid at every start, cached executable or not)."""
+    q, kp, vp, slots, lens = make_inputs(0, 2, 8, 4, 2, 64, 16, 20, jnp.float32)
+
+    def layers(q):
+        for _ in range(3):
+            q = _gathered_attention(q, kp, vp, slots, lens, backend="pallas", interpret=True)
+            q = q + _anchor_importance(q, kp, slots, lens, jnp.ones(q.shape[:2]), backend="pallas",
+                                       interpret=True).sum()
+        return q
+
+    text = jax.jit(layers).lower(q).as_text()
+    defined = collections.Counter(re.findall(r"func\.func private @(_pallas|_importance)\w*\(", text))
+    called = collections.Counter(re.findall(r"call @(_pallas|_importance)\w*\(", text))
+    # two attention configurations: gathered_attention's tuned blocks and the probe's own
+    assert defined == {"_pallas": 2, "_importance": 1}
+    assert called == {"_pallas": 6, "_importance": 3}
