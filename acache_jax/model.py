@@ -165,7 +165,7 @@ class Transformer(nnx.Module):
         # A Python loop, unrolled under jit: a scan over stacked layers copies each layer's
         # weights through dynamic slices, which doubles the latency of small decode forwards.
         for layer, block in enumerate(self.layers):
-            x, k, v, pool_kv, scores = block(x, inputs, layer, attn_backend)
+            x, k, v, pool_kv, scores = _call_block(block, x, _layer_inputs(inputs, layer), attn_backend)
             ks.append(k)
             vs.append(v)
             if pool_kv is not None:
@@ -197,6 +197,30 @@ class Transformer(nnx.Module):
             before = jnp.maximum(idx - 1, 0)
             idx = jnp.where((idx > 0) & (segment[before] == segment[idx]), before, idx)
         return x[idx]
+
+
+def _layer_inputs(inputs: ForwardInputs, layer: int) -> ForwardInputs:
+    """`inputs` with the pool narrowed to layer `layer` (then the pool's only layer, 0)."""
+    if inputs.access is None:
+        return inputs
+    pool = inputs.access.pool
+    narrowed = KVPool((pool.k[layer],), (pool.v[layer],))
+    return dataclasses.replace(inputs, access=dataclasses.replace(inputs.access, pool=narrowed))
+
+
+def _call_block(block: Block, x: jax.Array, inputs: ForwardInputs, backend: str | None) -> tuple:
+    """`block(x, inputs, 0, backend)` as a nested jitted call, so that a program traces and lowers
+    the layers' one shape once instead of once per layer: tracing and lowering are Python work, paid
+    at every start, cached executable or not (XLA inlines the calls, so the compiled program is the
+    same)."""
+    graphdef, state = nnx.split(block)
+    return _block_forward(graphdef, state, x, inputs, backend)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _block_forward(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, inputs: ForwardInputs,
+                   backend: str | None) -> tuple:
+    return nnx.merge(graphdef, state)(x, inputs, 0, backend)
 
 
 def abstract_transformer(cfg: ModelConfig, dtype: Any) -> Transformer:
