@@ -164,19 +164,29 @@ def main(argv: list[str] | None = None) -> int:
     for label, discovery, early in arms:
         settings = Settings(max_batch=args.max_batch, max_queue=max(256, args.clients), discovery=discovery,
                             min_tokens=args.min_tokens, finish_early=early, warmup_tokens=args.warmup_tokens)
-        server = InProcessServer(model, base.replace(early_stop=early), settings, name)
-        try:
-            if args.warmup_tokens:
+        # Each pass on a fresh server, so that discovery starts cold in every one; the compiled
+        # programs are the process's and carry over.
+        serve = lambda: InProcessServer(model, base.replace(early_stop=early), settings, name)  # noqa: E731
+        if args.warmup_tokens:
+            server = serve()
+            try:
                 with counting_compiles() as warm:
                     server.worker.warm_up(base.replace(early_stop=early)).wait()
-                print(json.dumps({label: "start-up", **warm}), flush=True)
-            for _ in range(args.warmup_passes):
+            finally:
+                server.close()
+            print(json.dumps({label: "start-up", **warm}), flush=True)
+        for _ in range(args.warmup_passes):
+            server = serve()
+            try:
                 with counting_compiles() as warm:
                     drive(server.url, name, prompts, args.clients, args.max_tokens)
-                server.worker.reset_discovery()  # the next pass discovers afresh
-                print(json.dumps({label: "warm-up", **warm}), flush=True)
-                if not warm["compiles"]:
-                    break
+            finally:
+                server.close()
+            print(json.dumps({label: "warm-up", **warm}), flush=True)
+            if not warm["compiles"]:
+                break
+        server = serve()
+        try:
             with counting_compiles() as compiled:
                 result[label] = drive(server.url, name, prompts, args.clients, args.max_tokens)
             result[label].update(compiled)

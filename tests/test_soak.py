@@ -43,7 +43,7 @@ CLIENTS = 8  # concurrent clients, each on its own keep-alive connection
 SERVER_FLAGS = ("--max-batch", "8", "--max-queue", "64", "--gen-length", "8", "--block-length", "8", "--steps", "2",
                 "--threshold", "none", "--affix-min-tokens", str(MIN_TOKENS), "--affix-memory-mb", str(AFFIX_BUDGET_MB))
 WARMUP_REQUESTS = 300  # compile what the mix needs most, fill the store and the allocator's pools
-SOAK_REQUESTS = 2000  # in tenths, the server's RSS and memory maps read after each
+SOAK_REQUESTS = 1000  # in tenths, the server's RSS and memory maps read after each
 # A tenth whose memory maps grew by more than this compiled a program (XLA's CPU programs map their
 # code: the compilations seen during soaks added 250-350 at once); otherwise the count moves by a few.
 COMPILE_MAPS = 20
@@ -52,10 +52,10 @@ COMPILE_MAPS = 20
 # the traffic first needs them; how requests batch depends on the machine's load), in 1-2 tenths
 # of a soak on a quiet machine, 3-6 under a load of 4-5. A tenth that compiled added 8-60 MB with
 # 250-880 maps: 0.03-0.13 MB per map (a leak of large arrays would add a map per array and far more
-# per map). The tenths that compiled nothing grew 1-13 MB in all (in steps of up to 5 MB: the
-# allocator), and 2.4 MB over the last 6400 of 8000 requests: flat. STEADY catches anything kept
-# per request from about 12 kB a request up (an affix cache is 111 kB); the engine test below
-# catches the small things.
+# per map). The tenths that compiled nothing grew 1-13 MB in all over soaks of 2000 (in steps of up
+# to 5 MB: the allocator), and 2.4 MB over the last 6400 of 8000 requests: flat. Over 1000 requests
+# STEADY catches anything kept per request from about 24 kB a request up (an affix cache is 111 kB);
+# the engine test below catches the small things.
 STEADY_GROWTH_BOUND_MB = 24  # the tenths that compiled nothing, together
 COMPILE_MB_PER_MAP = 0.2  # the tenths that compiled, together, per memory map they added
 

@@ -112,11 +112,6 @@ class Worker:
         self._inbox.put(("warm", engine_config(base), done))
         return done
 
-    def reset_discovery(self) -> None:
-        """Forget every counted span and drop the stored affix caches no request holds (benchmarks
-        measure discovery from a cold start with warm compiled programs)."""
-        self._inbox.put(("reset",))
-
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is left, free every slot and end the thread. A warm-up in progress starts no
         more compiles; the compiles in flight are waited for past `timeout` (a process that exits
@@ -179,10 +174,6 @@ class Worker:
             finally:
                 self._warming = False
                 command[2].set()
-            return
-        if command[0] == "reset":
-            self.index = SpanIndex(self.settings.min_count, self.settings.min_tokens)
-            self.store.drop_unheld()
             return
         if command[0] == "cancel":
             live = self._live.get(command[1])
