@@ -183,7 +183,8 @@ def test_a_long_run_keeps_the_server_memory_flat():
         assert end["acache_cached_tokens_total"] > warm["acache_cached_tokens_total"]  # served from the store
         assert warm["acache_span_index_entries"] < end["acache_span_index_entries"] <= end["acache_span_index_capacity"]
         assert steady < STEADY_GROWTH_BOUND_MB, (rss_warm, maps_warm, samples)
-        assert sum(mb for mb, _ in compiled) < COMPILE_MB_PER_MAP * sum(n for _, n in compiled), (rss_warm, samples)
+        # (a soak in which nothing compiled after the warm-up has nothing here: 0 <= 0)
+        assert sum(mb for mb, _ in compiled) <= COMPILE_MB_PER_MAP * sum(n for _, n in compiled), (rss_warm, samples)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
