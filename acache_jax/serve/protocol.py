@@ -8,7 +8,7 @@ Every string in the body must be Unicode text (a lone surrogate, "\\ud800" in JS
 its field). Lengths are checked by arithmetic before anything grows with them: `max_tokens` against
 the model's context before tokenizing, and the prompt while it is tokenized, which stops at the first
 piece past what the context leaves. Texts are cut into pieces and each piece is tokenized alone
-(`acache_jax.affix_index`), so that a span of whole pieces has the same ids wherever it appears and
+(`acache_jax.serve.affix_index`), so that a span of whole pieces has the same ids wherever it appears and
 can be found again by discovery.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from acache_jax.affix_index import split_text
+from acache_jax.serve.affix_index import split_text
 from acache_jax.config import FIELD_KINDS, DecodeConfig, InputError
 from acache_jax.engine.engine import check_engine_config
 from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_request

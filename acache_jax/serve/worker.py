@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from acache_jax.acache import build_affix_cache
-from acache_jax.affix_index import AffixStore, SpanIndex
+from acache_jax.serve.affix_index import AffixStore, SpanIndex
 from acache_jax.config import DecodeConfig, InputError
 from acache_jax.engine import Engine
 from acache_jax.model import Model
