@@ -60,3 +60,25 @@ def test_logits_rejects_bad_ids(fixtures_dir):
         model.logits(np.zeros((3,), np.int32))
     with pytest.raises(ValueError, match=r"integer token ids shaped \[B, T\]"):
         model.logits(np.zeros((1, 3), np.float32))
+
+
+def test_a_program_traces_and_lowers_the_layers_once(fixtures_dir):
+    """Every layer is one nested call of the same lowered function (tracing and lowering a layer is
+    Python work paid at every start, cached executable or not), and XLA inlines the calls."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from acache_jax.model import ForwardInputs
+
+    model = acache_jax.load(fixtures_dir / "models" / "llada_mha", dtype="float32")
+    structure, params = model.flat
+    ids = jnp.ones((1, 8), jnp.int32)
+    positions = jnp.arange(8, dtype=jnp.int32)[None]
+    lowered = jax.jit(lambda p, t, q: structure.forward(p, t, ForwardInputs(positions=q)).logits).lower(
+        params, ids, positions)
+    text = lowered.as_text()
+    assert len(re.findall(r"func\.func private @_block_forward\w*\(", text)) == 1
+    assert len(re.findall(r"call @_block_forward\w*\(", text)) == model.config.num_layers >= 2
+    assert " call(" not in lowered.compile().as_text()  # inlined
