@@ -117,21 +117,22 @@ def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
     return _gathered(q, pool(k), pool(v), slots, valid.sum(axis=1).astype(jnp.int32), backend)[0]
 
 
-def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, access: PoolAccess, layer: int,
+def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, access: PoolAccess,
                 rope_theta: float, backend: str | None = None
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Write this layer's K/V of the M tokens into the pool, then attend through the read sets.
 
-    q, k, v: [M, H, D] before RoPE; positions: [M]. Returns (output [M, Hq, D], the layer's
+    q, k, v: [M, H, D] before RoPE; positions: [M]; `access.pool`: this layer's alone (one layer,
+    as `Transformer` narrows it). Returns (output [M, Hq, D], the layer's
     updated pool K and V, and when `access.probe_weight` is set the anchor-probe importance
     [S, N] of the probed read set's rows: per row, the probe-weighted sum over queries and heads of
     the softmax over that set's rows alone).
     """
     backend = _backend(backend, q.shape[-1])
-    pool_k = constrain_kv(access.pool.k[layer].at[access.write_slots].set(
-        rope(k[None], positions[None], rope_theta)[0].astype(access.pool.k[layer].dtype), mode="drop"))
-    pool_v = constrain_kv(access.pool.v[layer].at[access.write_slots].set(v.astype(access.pool.v[layer].dtype),
-                                                                          mode="drop"))
+    (layer_k,), (layer_v,) = access.pool.k, access.pool.v
+    pool_k = constrain_kv(layer_k.at[access.write_slots].set(
+        rope(k[None], positions[None], rope_theta)[0].astype(layer_k.dtype), mode="drop"))
+    pool_v = constrain_kv(layer_v.at[access.write_slots].set(v.astype(layer_v.dtype), mode="drop"))
     m, hq, d = q.shape
     extend = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # index M: empty
     tile = lambda a: extend(a)[access.tiles]

@@ -89,8 +89,9 @@ class Attention(nnx.Module):
         self.o = Linear(cfg.num_heads * hd, d, False, dtype, rngs)
         self.cfg = cfg
 
-    def __call__(self, x: jax.Array, inputs: ForwardInputs, layer: int, backend: str | None):
-        """(output, k, v, pool K and V of this layer or None, probe scores or None)."""
+    def __call__(self, x: jax.Array, inputs: ForwardInputs, backend: str | None):
+        """(output, k, v, pool K and V of this layer or None, probe scores or None); `inputs.access`
+        holds this layer's pool alone (`_layer_inputs`)."""
         cfg = self.cfg
         lead = x.shape[:-1]
         with jax.named_scope("qkv"):
@@ -102,7 +103,7 @@ class Attention(nnx.Module):
                 valid = jnp.ones(lead, bool) if inputs.valid is None else inputs.valid
                 out, pool_kv, scores = attend_dense(q, k, v, inputs.positions, valid, cfg.rope_theta, backend), None, None
             else:
-                out, pool_k, pool_v, scores = attend_pool(q, k, v, inputs.positions, inputs.access, layer,
+                out, pool_k, pool_v, scores = attend_pool(q, k, v, inputs.positions, inputs.access,
                                                           cfg.rope_theta, backend)
                 pool_kv = (pool_k, pool_v)
         return self.o(out.reshape(*lead, -1)), k, v, pool_kv, scores
@@ -125,8 +126,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x: jax.Array, inputs: ForwardInputs, layer: int, backend: str | None):
-        h, k, v, pool_kv, scores = self.attn(self.attn_norm(x), inputs, layer, backend)
+    def __call__(self, x: jax.Array, inputs: ForwardInputs, backend: str | None):
+        h, k, v, pool_kv, scores = self.attn(self.attn_norm(x), inputs, backend)
         x = x + h
         with jax.named_scope("mlp"):
             return x + self.mlp(self.mlp_norm(x)), k, v, pool_kv, scores
@@ -200,7 +201,7 @@ class Transformer(nnx.Module):
 
 
 def _layer_inputs(inputs: ForwardInputs, layer: int) -> ForwardInputs:
-    """`inputs` with the pool narrowed to layer `layer` (then the pool's only layer, 0)."""
+    """`inputs` with the pool narrowed to layer `layer` alone: a block sees only its own layer's pool."""
     if inputs.access is None:
         return inputs
     pool = inputs.access.pool
@@ -209,7 +210,7 @@ def _layer_inputs(inputs: ForwardInputs, layer: int) -> ForwardInputs:
 
 
 def _call_block(block: Block, x: jax.Array, inputs: ForwardInputs, backend: str | None) -> tuple:
-    """`block(x, inputs, 0, backend)` as a nested jitted call, so that a program traces and lowers
+    """`block(x, inputs, backend)` as a nested jitted call, so that a program traces and lowers
     the layers' one shape once instead of once per layer: tracing and lowering are Python work, paid
     at every start, cached executable or not (XLA inlines the calls, so the compiled program is the
     same)."""
@@ -220,7 +221,7 @@ def _call_block(block: Block, x: jax.Array, inputs: ForwardInputs, backend: str 
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _block_forward(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, inputs: ForwardInputs,
                    backend: str | None) -> tuple:
-    return nnx.merge(graphdef, state)(x, inputs, 0, backend)
+    return nnx.merge(graphdef, state)(x, inputs, backend)
 
 
 def abstract_transformer(cfg: ModelConfig, dtype: Any) -> Transformer:
