@@ -168,7 +168,8 @@ def select_anchors(structure: Structure, params: list[jax.Array], batch: Batch, 
             raise RequestError(f"hkvd_block needs a block length in (0, {batch.gen_length}], got {block_length}")
         score = hkvd_deviation(structure, params, batch.through_block(block_length), affix, attn_backend)
     elif selector == "random":
-        score = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 7), (affix.length,)))(batch.keys)
+        score = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 7), (affix.length,)))(
+            jax.vmap(jax.random.key)(batch.seeds))
     else:
         raise RequestError(f"unknown anchor selector {selector!r}; choose one of {SELECTORS}")
     ranking = anchor_ranking(score, mass=mass)

@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax import sampling
 from acache_jax.acache import build_affix_cache, check_affix_cache, select_anchors_jit
 from acache_jax.config import DecodeConfig, DecodeError, resolve_decode_config
 from acache_jax.layout import Batch, Request, as_requests, check_requests, make_batch
 from acache_jax.kv import AffixCache, KVPool, flat_index, read_set, rows_access
 from acache_jax.model import ForwardInputs, Model, Structure
+from acache_jax.sampling import Commits
 from acache_jax.sharding import constrain_kv, place_rows, use_mesh
 
 
@@ -91,10 +91,13 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
 
     scfg = cfg.sampler(mcfg)
 
-    def commit(x, s, logits, step, keys, sched, block_start: bool):
+    def commit(x, s, logits, step, nfe, masked_at_start, block_start: bool):
+        """x after one commit on its block at column s, and the rows' forward counts."""
+        rows_of = lambda value: jnp.full((b,), value)
         block = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1)
-        block = sampling.commit_block(block, logits, step, keys, sched, scfg, cfg.steps_per_block, block_start)
-        return jax.lax.dynamic_update_slice_in_dim(x, block, s, axis=1)
+        after = Commits(block, batch.seeds, nfe, rows_of(step), masked_at_start, rows_of(block_start),
+                        rows_of(True)).commit(logits, scfg, cfg.steps_per_block)
+        return jax.lax.dynamic_update_slice_in_dim(x, after.block, s, axis=1), after.nfe
 
     window = t - g0  # prefix policy: from the block start to the end, padded on the right
     padded = lambda a, fill: jnp.pad(a, ((0, 0), (0, window)), constant_values=fill)
@@ -138,13 +141,11 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
     def block_body(carry):
         blk, x, pool, nfe, ftok, calls = carry
         s = g0 + blk * bl
-        masked0 = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mask_id
-        sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
-        active = masked0.any(-1)
+        masked_at_start = (jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1) == mask_id).sum(-1)
         idx = jnp.broadcast_to(s + jnp.arange(bl), (b, bl))
         logits, pool, width = block_start(x, pool, s, idx)
-        x = commit(x, s, logits, 0, sampling.step_keys(batch.keys, nfe), sched, block_start=True)
-        nfe, ftok = nfe + active, ftok + active * width * (2 if guided else 1)
+        x, after = commit(x, s, logits, 0, nfe, masked_at_start, block_start=True)
+        nfe, ftok = after, ftok + (after - nfe) * width * (2 if guided else 1)
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a, s, bl, axis=1)
 
         def step_cond(c):
@@ -152,7 +153,6 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
 
         def step_body(c):
             x, pool, step, nfe, ftok, calls = c
-            active = (sl(x) == mask_id).any(-1)
             block_idx = jnp.broadcast_to(jnp.arange(bl), (b, bl))
             if cfg.cache == "none":
                 logits, pool = run(x, positions, row_ids * t + col, reads, pool, idx, prompt)
@@ -171,8 +171,8 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
                 logits, pool = run(win(x, mask_id), win(positions, 0), write, reads, pool, block_idx,
                                        win(prompt, False))
                 width = win(batch.valid, False).sum(-1)
-            x = commit(x, s, logits, step, sampling.step_keys(batch.keys, nfe), sched, block_start=False)
-            nfe, ftok = nfe + active, ftok + active * width * (2 if guided else 1)
+            x, after = commit(x, s, logits, step, nfe, masked_at_start, block_start=False)
+            nfe, ftok = after, ftok + (after - nfe) * width * (2 if guided else 1)
             return x, pool, step + 1, nfe, ftok, calls + 1
 
         x, pool, _, nfe, ftok, calls = jax.lax.while_loop(step_cond, step_body,

@@ -186,7 +186,7 @@ class Batch:
     tokens: jax.Array  # [B, T] int32 (mask ids in the generation region, pad id in padding)
     positions: jax.Array  # [B, T] int32 (cumulative count of real tokens - 1)
     valid: jax.Array  # [B, T] bool, real token (padding rows and columns: False)
-    keys: jax.Array  # [B] PRNG keys, one per row
+    seeds: jax.Array  # [B] uint32, each row's seed (padding rows: 0)
     affix_start: jax.Array  # [B] int32 column of the affix's first token (rows without one: 0)
     gen_start: int = dataclasses.field(metadata=dict(static=True))  # column of the first generated token
     gen_length: int = dataclasses.field(metadata=dict(static=True))
@@ -301,8 +301,7 @@ def make_batch(
         valid[i, pad:pad + row.num_columns] = True
         affix_start[i] = pad + row.affix_start
     positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
-    seeds = [r.seed for r in requests] + [0] * (b - len(requests))
-    keys = jnp.stack([jax.random.key(s) for s in seeds])
+    seeds = np.asarray([r.seed for r in requests] + [0] * (b - len(requests)), np.uint32)
     has_affix = any(r.affix_position is not None for r in requests)
-    return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid), keys, jnp.asarray(affix_start), left,
+    return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid), jnp.asarray(seeds), jnp.asarray(affix_start), left,
                  gen_length, len(affix) if has_affix and affix else 0)

@@ -196,3 +196,31 @@ def commit_block(block: jax.Array, logits: jax.Array, step: jax.Array, keys: jax
         first = masked & (jnp.arange(block.shape[1]) == 0)[None]
         chosen = jnp.where(jnp.broadcast_to(block_start, block.shape[:1])[:, None], first, chosen)
     return jnp.where(chosen, x0, block)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Commits:
+    """Per row [R]: its decoding block [R, bl] and what the next commit needs. `commit` is the one
+    commit step of the static path and the engine: the row's key, the schedule, the commit rule, and
+    the row's forward count (rows that are not `active`, or have no mask left, keep their block)."""
+
+    block: jax.Array
+    seeds: jax.Array  # the request's seed: a commit's keys are fold_in(key(seed), nfe)
+    nfe: jax.Array  # forward calls the request has had so far
+    step: jax.Array  # in-block step (0 at the block start)
+    masked_at_start: jax.Array  # masks in the block at its start (LLaDA's fixed schedule)
+    block_start: jax.Array  # [R] bool: commits from its block-start forward
+    active: jax.Array  # [R] bool
+
+    def commit(self, logits: jax.Array, cfg: SamplerConfig, steps_per_block: int) -> Commits:
+        """The rows after one commit from their block logits [R, bl, V]; a row that had a mask
+        counts the forward (nfe) and the step."""
+        keys = step_keys(jax.vmap(jax.random.key)(self.seeds), self.nfe)
+        masked0 = jnp.arange(self.block.shape[1])[None] < self.masked_at_start[:, None]
+        sched = llada_schedule(masked0, steps_per_block)
+        block = commit_block(self.block, logits, self.step, keys, sched, cfg, steps_per_block, self.block_start)
+        moved = self.active & (self.block == cfg.mask_token_id).any(-1)
+        return dataclasses.replace(self, block=jnp.where(moved[:, None], block, self.block),
+                                   nfe=self.nfe + moved, step=self.step + moved,
+                                   block_start=jnp.zeros_like(self.block_start))

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax import sampling
+from acache_jax.sampling import Commits
 from acache_jax.acache import DEVIATION_SELECTORS, PROBE_SIGN, Ranking, affix_deviation, anchor_ranking
-from acache_jax.config import DecodeConfig, ModelConfig
+from acache_jax.config import DecodeConfig
 from acache_jax.engine.scheduler import Plan, StepOutput, Work
 from acache_jax.engine.sequence import SequenceState
 from acache_jax.kv import AffixCache, KVPool, PoolAccess, ReadSet, flat_index, rotated_from_zero, rows_access
@@ -47,33 +47,6 @@ REUSE_PADDING = 1.5
 # With fixed shapes, the token axes: four per octave from 128 tokens (at most 1/4 padding, 24 sizes
 # up to 16k tokens), so that every program a server can need is known and compiled at start.
 FIXED_AXIS = dict(floor=128, ceiling=None, per_octave=4)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Commits:
-    """Per row [R]: its block [R, bl] and sampling state; rows that are not `active` keep their block."""
-
-    block: jax.Array
-    seeds: jax.Array  # the request's seed: keys are fold_in(key(seed), nfe), as in the static path
-    nfe: jax.Array  # forward calls the request has had so far
-    step: jax.Array  # in-block step (0 at the block start)
-    masked_at_start: jax.Array  # masks in the block at its start (LLaDA's fixed schedule)
-    block_start: jax.Array  # [R] bool: commits from its block-start forward
-    active: jax.Array  # [R] bool
-
-    def commit(self, logits: jax.Array, cfg: DecodeConfig, mcfg: ModelConfig) -> Commits:
-        """The rows after one commit from their block logits [R, bl, V] (counters advanced where a
-        mask was left)."""
-        keys = sampling.step_keys(jax.vmap(jax.random.key)(self.seeds), self.nfe)
-        masked0 = jnp.arange(self.block.shape[1])[None] < self.masked_at_start[:, None]
-        sched = sampling.llada_schedule(masked0, cfg.steps_per_block)
-        block = sampling.commit_block(self.block, logits, self.step, keys, sched, cfg.sampler(mcfg),
-                                      cfg.steps_per_block, self.block_start)
-        moved = self.active & (self.block == mcfg.mask_token_id).any(-1)
-        return dataclasses.replace(self, block=jnp.where(moved[:, None], block, self.block),
-                                   nfe=self.nfe + moved, step=self.step + moved,
-                                   block_start=jnp.zeros_like(self.block_start))
 
 
 @jax.tree_util.register_dataclass
@@ -149,7 +122,7 @@ def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, param
         score = PROBE_SIGN[cfg.selector] * out.probe
         ranking = anchor_ranking(score, jnp.arange(score.shape[1])[None] < step.reads[-1].lens[:, None],
                                  cfg.anchor_mass)
-    return out.pool, step.commits.commit(out.logits, cfg, structure.config), ranking
+    return out.pool, step.commits.commit(out.logits, cfg.sampler(structure.config), cfg.steps_per_block), ranking
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -180,7 +153,7 @@ def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params
                                                                                 access=access,
                                                                                 logit_index=logit_index),
                                 attn_backend=cfg.attn_backend)
-        return out.pool, state.commit(out.logits, cfg, structure.config), count + 1
+        return out.pool, state.commit(out.logits, cfg.sampler(structure.config), cfg.steps_per_block), count + 1
 
     pool, rows, count = jax.lax.while_loop(unfinished, body, (pool, rows, jnp.int32(0)))
     return pool, rows, count
