@@ -54,11 +54,12 @@ class DecodeStats:
 
 def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: DecodeConfig,
             affix: AffixCache | None = None, anchors: jax.Array | None = None) -> tuple[jax.Array, DecodeStats]:
-    """The whole generation of one batch. Selective policies need `affix` and `anchors` [B, K].
+    """The whole generation of one batch. Selective policies need `affix` and `anchors` [B, A]
+    (A anchors per row).
 
     Every forward writes its tokens' K/V into one pool and reads its row's keys from it (kv.py):
     full policies own B x T rows; selective ones read the affix from L shared rows (K rotated at
-    0..L-1, read at the row's affix offset) and own B x (T - L + K) rows for their private columns.
+    0..L-1, read at the row's affix offset) and own B x (T - L + A) rows for their private columns.
     """
     mcfg = structure.config
     mask_id, bl, g0 = mcfg.mask_token_id, cfg.block_length, batch.gen_start
@@ -105,10 +106,10 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
 
     if cfg.selective:
         # Private columns: anchors + every non-affix column (padding included, as invalid tokens):
-        # T - L + K per row, in column order, each with its own pool row. A row with fewer anchors
-        # (entries = L: none) fills its T - L + K with shared columns, computed but never read.
-        L, k = affix.length, anchors.shape[1]
-        n_private = t - L + k
+        # T - L + A per row, in column order, each with its own pool row. A row with fewer anchors
+        # (entries = L: none) fills its T - L + A with shared columns, computed but never read.
+        L, n_anchors = affix.length, anchors.shape[1]
+        n_private = t - L + n_anchors
         is_affix = batch.affix_columns()
         is_anchor = jnp.zeros((b, t), bool).at[row_ids, batch.affix_start[:, None] + anchors].set(True) & is_affix
         shared = is_affix & ~is_anchor  # read from the affix rows, never recomputed
@@ -237,11 +238,11 @@ def generate(
     requests = as_requests(prompts)
     affix_ids = check_requests(requests, config.gen_length, model.config, affix)
     check_policy(config, affix_ids)
-    cache, k = None, 0
+    cache, n_anchors = None, 0
     if config.selective:
         cache = affix if isinstance(affix, AffixCache) else build_affix_cache(model, affix_ids)
         check_affix_cache(model, cache)
-        k = config.anchors(cache.length)
+        n_anchors = config.anchors(cache.length)
     # Sort by length so that each batch pads little; results are put back in input order.
     length = lambda r: sum(r.lengths(len(affix_ids or ())).values())
     order = sorted(range(len(requests)), key=lambda i: length(requests[i]))
@@ -254,17 +255,17 @@ def generate(
     anchors_out: list[Any] = [np.zeros(0, np.int32)] * len(requests)
     nfe, ftok, seconds = (np.zeros(len(requests), dtype) for dtype in (np.int64, np.int64, np.float64))
     calls = 0
-    probe_forwards = config.selector != "random" and k > 0
+    probe_forwards = config.selector != "random" and n_anchors > 0
     for chunk in chunks:
         start = time.perf_counter()
         batch = place_rows(make_batch([requests[i] for i in chunk], config.gen_length, model.config, affix_ids),
                            model.mesh)
         with use_mesh(model.mesh):
             if config.selective:
-                anchors = (select_anchors_jit(*model.flat, batch, cache, k,
+                anchors = (select_anchors_jit(*model.flat, batch, cache, n_anchors,
                                               config.selector, config.attn_backend, config.block_length,
                                               config.anchor_mass, config.min_anchors(cache.length))
-                           if k > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
+                           if n_anchors > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
                 result = decode_batch(*model.flat, batch, _loop_key(config), cache, anchors)
             else:
                 anchors, result = None, decode_batch(*model.flat, batch, _loop_key(config))

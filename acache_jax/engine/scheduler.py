@@ -105,30 +105,31 @@ class Scheduler:
     def blocks_in_use(self) -> int:
         return self.block_manager.num_blocks - self.block_manager.num_free_blocks
 
-    def _blocks(self, seq: SequenceState, k: int) -> tuple[int, int]:
-        """(private blocks, affix blocks) the sequence holds while it runs with K anchors."""
+    def _blocks(self, seq: SequenceState, n_anchors: int) -> tuple[int, int]:
+        """(private blocks, affix blocks) the sequence holds while it runs with n_anchors anchors."""
         bm = self.block_manager
         affix = bm.blocks_for(seq.affix_len) if seq.shares_affix else 0
-        return bm.blocks_for(seq.num_private(k)), affix
+        return bm.blocks_for(seq.num_private(n_anchors)), affix
 
-    def add(self, seq: SequenceState, k: int, k_min: int | None = None) -> None:
-        """Queue a request with K anchors (between k_min and K under an adaptive budget: K are
-        reserved, the rest freed once they are known); reject one that could not run even in an
-        empty pool.
+    def add(self, seq: SequenceState, n_anchors: int, min_anchors: int | None = None) -> None:
+        """Queue a request with n_anchors anchors (between min_anchors and n_anchors under an
+        adaptive budget: n_anchors are reserved, the rest freed once they are known); reject one
+        that could not run even in an empty pool.
 
         The affix counts even when it is resident: it stays resident while the request runs.
         """
         assert seq.status is SequenceStatus.WAITING and seq not in self._waiting, f"{seq} was added before"
-        k = k if seq.shares_affix else 0
-        private, affix = self._blocks(seq, k)
+        n_anchors = n_anchors if seq.shares_affix else 0
+        private, affix = self._blocks(seq, n_anchors)
         total = self.block_manager.num_blocks
         if private + affix > total:
             bs = self.block_manager.block_size
             raise RequestTooLargeError(
                 f"request {seq.request_id!r} needs {private} private + {affix} affix blocks of {bs} slots "
-                f"({seq.num_private(k)} private + {seq.affix_len if affix else 0} affix slots), "
+                f"({seq.num_private(n_anchors)} private + {seq.affix_len if affix else 0} affix slots), "
                 f"more than the pool's {total} blocks")
-        seq.num_anchors, seq.min_anchors = k, k if k_min is None else min(k_min, k)
+        seq.num_anchors = n_anchors
+        seq.min_anchors = n_anchors if min_anchors is None else min(min_anchors, n_anchors)
         self._waiting.append(seq)
 
     def admit(self) -> list[SequenceState]:

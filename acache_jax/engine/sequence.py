@@ -111,13 +111,13 @@ class SequenceState:
         """Reads its affix from shared blocks (acache with an affix); baseline computes it in place."""
         return self.policy == "acache" and self.affix_key is not None
 
-    def num_private(self, k: int) -> int:
-        """Columns the request owns slots for: T - L + K under acache, T under baseline."""
+    def num_private(self, n_anchors: int) -> int:
+        """Columns the request owns slots for: T - L + n_anchors under acache, T under baseline."""
         if not self.shares_affix:
             return self.num_columns
-        if not 0 <= k <= self.affix_len:
-            raise RequestError(f"request {self.request_id!r}: {k} anchors for an affix of {self.affix_len}")
-        return self.num_columns - self.affix_len + k
+        if not 0 <= n_anchors <= self.affix_len:
+            raise RequestError(f"request {self.request_id!r}: {n_anchors} anchors for an affix of {self.affix_len}")
+        return self.num_columns - self.affix_len + n_anchors
 
     @property
     def num_gen_blocks(self) -> int:
@@ -173,12 +173,13 @@ class SequenceState:
         self._private_slots, self._shared_slots = private_slots, shared_slots
         self._columns.clear()
 
-    def fewer_anchors(self, k: int) -> None:
-        """An adaptive budget kept K < the reserved anchors: only the first slots of the reserve
+    def fewer_anchors(self, n_anchors: int) -> None:
+        """An adaptive budget kept fewer anchors than reserved: only the first slots of the reserve
         stay (the anchors' slots follow the fixed ones)."""
-        assert self._anchors is None and self.min_anchors <= k <= self.num_anchors, (k, self.num_anchors)
-        self.num_anchors = k
-        self.set_slots(self._private_slots[:self.num_private(k)], self._shared_slots)
+        assert self._anchors is None and self.min_anchors <= n_anchors <= self.num_anchors, (n_anchors,
+                                                                                             self.num_anchors)
+        self.num_anchors = n_anchors
+        self.set_slots(self._private_slots[:self.num_private(n_anchors)], self._shared_slots)
 
     def set_anchors(self, anchors: np.ndarray) -> None:
         """The probe's K affix-relative anchor indices (any order; stored sorted)."""
