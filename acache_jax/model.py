@@ -144,7 +144,7 @@ class Transformer(nnx.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
 
     def __call__(self, token_ids: jax.Array, inputs: ForwardInputs, *, with_logits: bool = True,
-                 attn_backend: str | None = None, one_hot_embed: bool = False) -> ForwardOutput:
+                 attn_backend: str | None = None, embeddings: jax.Array | None = None) -> ForwardOutput:
         """Forward over the given tokens ([B, T] dense, [M] with a pool; see `ForwardInputs`).
 
         Dream's shift is along the tokens of this call: logits at token j come from token j-1 of the
@@ -152,15 +152,10 @@ class Transformer(nnx.Module):
         whatever it computed.
         attn_backend: "xla" (plain jnp, any device), "pallas" (the gathered-attention kernel; interpreted
             off GPU) or "cudnn" (fused GPU kernel, bf16); default: pallas on a GPU, else xla.
-        one_hot_embed: look the embeddings up as a one-hot matmul (same values). For training models
-        with small vocabularies: its gradient is a matmul, where the lookup's is a scatter-add that
-        serialises on repeated ids such as the mask id (a 7x slower training step on an H200).
+        embeddings: the tokens' input vectors [*token_ids.shape, D], used instead of the embedding
+        table's rows (made from the table by the caller: training's one-hot matmul, eval/train.py).
         """
-        table = self.embed[...]
-        if one_hot_embed:
-            x = jax.nn.one_hot(token_ids, table.shape[0], dtype=table.dtype) @ table
-        else:
-            x = jnp.take(table, token_ids, axis=0)
+        x = jnp.take(self.embed[...], token_ids, axis=0) if embeddings is None else embeddings
         ks, vs, pool_k, pool_v = [], [], [], []
         importance = None
         # A Python loop, unrolled under jit: a scan over stacked layers copies each layer's

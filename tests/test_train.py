@@ -16,8 +16,8 @@ from acache_jax.model import ForwardInputs, Model, Transformer
 from acache_jax.hf_checkpoint import export_hf, hf_config
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.plot_losses import plot_losses
-from eval.train import (SIZES, Recipe, TrainState, corrupt, initial_model, model_config, optimizer,
-                        starting_point, train, train_step)
+from eval.train import (SIZES, Recipe, TrainState, corrupt, initial_model, model_config, one_hot_embeddings,
+                        optimizer, starting_point, train, train_step)
 from eval.train_data import Mixture, build_pool
 from tests.hf_checkpoints import hf_shapes
 
@@ -51,7 +51,9 @@ def test_one_hot_embedding_has_the_lookups_values_and_gradients():
     positions = jnp.broadcast_to(jnp.arange(12), ids.shape)
 
     def loss(p, one_hot):
-        return jnp.sum(nnx.merge(graphdef, p)(ids, ForwardInputs(positions), one_hot_embed=one_hot).logits[..., :7] ** 2)
+        network = nnx.merge(graphdef, p)
+        embeddings = one_hot_embeddings(network.embed[...], ids) if one_hot else None
+        return jnp.sum(network(ids, ForwardInputs(positions), embeddings=embeddings).logits[..., :7] ** 2)
 
     (plain, g_plain), (hot, g_hot) = (jax.value_and_grad(loss)(params, flag) for flag in (False, True))
     np.testing.assert_allclose(hot, plain, rtol=1e-6)
