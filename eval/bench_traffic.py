@@ -1,16 +1,23 @@
 """The serving engine under realistic traffic, Fast-dLLM dual-cache baseline vs ACache side by side.
 
-    python -m eval.bench_traffic --model acache_jax/models/llada-small [--requests 120] [--rate 40]
-    python -m eval.bench_traffic --shape llada [--requests 64] [--rate 8]   # 8B-shaped random weights
+    python -m eval.bench_traffic --model acache_jax/models/llada-small [--requests 200] [--rate 4,14]
+    python -m eval.bench_traffic --shape llada [--requests 64] [--rate 2,8]   # 8B-shaped random weights
 
-Requests arrive as a Poisson process (`--rate` per second) and mix three shared affixes, each
-placed as prefix, infix or suffix at random, with generation lengths drawn from `--gen-lengths`.
-With a model directory (the shipped models): held-out questions of the three tasks with their
-task's few-shot affix, decoded with the model's threshold; with `--shape`: random ids in the
-LLaDA-8B / Dream-7B shapes (affixes of 230, 460 and 920 tokens, 80-token questions) and a fixed
-schedule of `--tokens-per-step` (random weights give no useful confidences). Both policies serve
-the same requests at the same arrival times after a warm-up run that compiles every program.
-Reports generated tokens/s over the whole run and request latency (arrival to finish) p50 / p99.
+Requests arrive as a Poisson process (`--rate` per second; several rates run one after another)
+and mix three shared affixes, each placed as prefix, infix or suffix at random, with requests that
+have none (`--no-affix`, a fraction) and generation lengths drawn from `--gen-lengths`. With a
+model directory (the shipped models): held-out questions of the three tasks with their task's
+few-shot affix, decoded with the model's threshold; with `--shape`: random ids in the LLaDA-8B /
+Dream-7B shapes (affixes of 230, 460 and 920 tokens, 80-token questions) and a fixed schedule of
+`--tokens-per-step` (random weights give no useful confidences).
+
+The engines run as the server runs them (`python -m acache_jax.serve --warmup-tokens N`): fixed
+shapes, and every program of a step of up to the workload's largest step compiled before the
+measured passes, so that a pass measures the engine, not the compiler (each pass reports what it
+still compiled: 0 expected). ACache's affixes are built once beforehand, as a server's affix store
+holds them, and one request of each primes its fill. Both policies serve the same requests at the
+same arrival times.
+Reports generated tokens/s over the whole pass and request latency (arrival to finish) p50 / p99.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from acache_jax import compile_cache
+from acache_jax.acache import build_affix_cache
 from acache_jax.checkpoint import load
 from acache_jax.engine import Engine
 from acache_jax.files import check_output_path, write_atomic
@@ -34,8 +42,12 @@ from acache_jax.layout import AFFIX_POSITIONS, Request
 POLICIES = {"baseline": "dual", "acache": "acache"}
 
 
-def task_workload(model, n: int, gen_lengths: list[int], rng: np.random.Generator):
-    """(affix ids per request, request, gen length) from the seeded tasks (a world per task)."""
+def _placement(rng: np.random.Generator, no_affix: float) -> str:
+    return "none" if rng.random() < no_affix else AFFIX_POSITIONS[int(rng.integers(3))]
+
+
+def task_workload(model, n: int, gen_lengths: list[int], rng: np.random.Generator, no_affix: float):
+    """(affix ids or None, request, gen length) per request, from the seeded tasks (a world per task)."""
     from eval.tasks import STUDY_TASKS, eval_split, get_task
     from eval.tasks.layouts import affix_ids, encoder, request
 
@@ -44,23 +56,41 @@ def task_workload(model, n: int, gen_lengths: list[int], rng: np.random.Generato
     out = []
     for i in range(n):
         task = STUDY_TASKS[int(rng.integers(len(STUDY_TASKS)))]
-        placement = AFFIX_POSITIONS[int(rng.integers(3))]
+        placement = _placement(rng, no_affix)
         examples, questions = worlds[task]
         out.append((affix_ids(encode, examples, placement), request(encode, questions[i], placement, seed=i),
                     int(rng.choice(gen_lengths))))
     return out
 
 
-def random_workload(cfg, n: int, gen_lengths: list[int], rng: np.random.Generator):
+def random_workload(cfg, n: int, gen_lengths: list[int], rng: np.random.Generator, no_affix: float):
     ids = lambda k: rng.integers(0, cfg.mask_token_id - 1, size=k).tolist()
     affixes = [ids(k) for k in (230, 460, 920)]
     out = []
     for i in range(n):
-        placement = AFFIX_POSITIONS[int(rng.integers(3))]
+        placement = _placement(rng, no_affix)
+        if placement == "none":
+            out.append((None, Request(ids(80), seed=i), int(rng.choice(gen_lengths))))
+            continue
         tail = ids(8) if placement == "infix" else ()
         out.append((affixes[int(rng.integers(3))], Request(ids(80), tail, placement, seed=i),
                     int(rng.choice(gen_lengths))))
     return out
+
+
+def with_affix_caches(model, workload):
+    """The workload with each distinct affix built once (`build_affix_cache`, bucketed as the server
+    builds them) and shared by its requests: a server holds the affixes it has seen in its store."""
+    caches = {}
+    for affix, _, _ in workload:
+        if affix is not None and tuple(affix) not in caches:
+            caches[tuple(affix)] = build_affix_cache(model, affix, bucketed=True)
+    return [(None if affix is None else caches[tuple(affix)], request, gen) for affix, request, gen in workload]
+
+
+def row_length(workload) -> int:
+    """Columns of the workload's longest row (prompt, affix, tail and generation)."""
+    return max(sum(request.lengths(len(affix or ())).values()) + gen for affix, request, gen in workload)
 
 
 def shaped_model(shape: str, layers: int | None = None):
@@ -101,9 +131,8 @@ def counting_compiles() -> Iterator[dict]:
         seen.update((k, _COMPILED[k] - before[k]) for k in ("compiles", "compile_s"))
 
 
-def serve(model, config, workload, arrivals: np.ndarray, max_batch: int, pool_tokens: int) -> dict:
-    """Feed requests at their arrival times; returns throughput and latency percentiles."""
-    engine = Engine(model, config, pool_tokens=pool_tokens, max_batch=max_batch)
+def serve(engine: Engine, workload, arrivals: np.ndarray) -> dict:
+    """Feed requests to an idle engine at their arrival times; returns throughput and latency percentiles."""
     start = time.perf_counter()
     pending, arrived_at, latency = 0, {}, {}
     while len(latency) < len(workload):
@@ -121,9 +150,12 @@ def serve(model, config, workload, arrivals: np.ndarray, max_batch: int, pool_to
     engine.drain()
     lat = np.asarray(list(latency.values()))
     generated = sum(gen for _, _, gen in workload)
+    stats = engine.stats
     return dict(seconds=seconds, tokens_per_s=generated / seconds, p50_s=float(np.percentile(lat, 50)),
-                p99_s=float(np.percentile(lat, 99)), padded_over_forward=engine.stats.padded_tokens
-                / max(1, engine.stats.forward_tokens), host_fraction=engine.stats.host_seconds / engine.stats.seconds)
+                p99_s=float(np.percentile(lat, 99)), iterations=stats.iterations, affix_fills=stats.affix_fills,
+                forward_tokens=stats.forward_tokens,
+                padded_over_forward=stats.padded_tokens / max(1, stats.forward_tokens),
+                host_fraction=stats.host_seconds / stats.seconds)
 
 
 def add_common_flags(p: argparse.ArgumentParser, *, model_help: str, model_required: bool, requests: int) -> None:
@@ -144,9 +176,10 @@ def add_common_flags(p: argparse.ArgumentParser, *, model_help: str, model_requi
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m eval.bench_traffic", description=__doc__.splitlines()[0])
     add_common_flags(p, model_help="a model directory (threshold decoding on task questions)", model_required=True,
-                     requests=120)
-    p.add_argument("--rate", type=float, default=40.0, help="arrivals per second (Poisson)")
+                     requests=200)
+    p.add_argument("--rate", default="4,14", help="arrivals per second (Poisson); comma-separated: one pass each")
     p.add_argument("--gen-lengths", default="32,64", help="comma-separated, drawn uniformly per request")
+    p.add_argument("--no-affix", type=float, default=0.25, help="the fraction of requests without an affix")
     p.add_argument("--ratio", type=float, default=0.2)
     return p
 
@@ -158,29 +191,40 @@ def main(argv: list[str] | None = None) -> int:
         check_output_path(args.json)
     rng = np.random.default_rng(args.seed)
     gens = [int(g) for g in args.gen_lengths.split(",")]
+    rates = [float(r) for r in args.rate.split(",")]
     if args.model:
         model = load(args.model)
-        workload = task_workload(model, args.requests, gens, rng)
+        workload = task_workload(model, args.requests, gens, rng, args.no_affix)
         base = model.decode_config(gen_length=max(gens), block_length=args.block)
     else:
         model = shaped_model(args.shape, args.layers)
-        cfg = model.config
-        workload = random_workload(cfg, args.requests, gens, rng)
+        workload = random_workload(model.config, args.requests, gens, rng, args.no_affix)
         steps = max(gens) // args.tokens_per_step
         base = model.decode_config(gen_length=max(gens), block_length=args.block, steps=steps, threshold=None)
-    arrivals = np.cumsum(rng.exponential(1.0 / args.rate, size=args.requests))
-    pool_tokens = args.max_batch * (max(len(a) for a, _, _ in workload) + 200 + max(gens)) + 4096
-    result = dict(model=str(args.model or args.shape), requests=args.requests, rate=args.rate, gen_lengths=gens)
+    context = row_length(workload)
+    # As the server sizes itself: a pool for max_batch of the longest rows, and steps of up to that
+    # many tokens compiled at start (new requests' probes cover their whole rows).
+    settings = dict(pool_tokens=args.max_batch * context, max_batch=args.max_batch, fixed_shapes=True,
+                    context=context)
+    result = dict(model=str(args.model or args.shape), requests=args.requests, no_affix=args.no_affix,
+                  gen_lengths=gens, context=context)
     for name, cache in POLICIES.items():
         config = base.replace(cache=cache, anchor_ratio=args.ratio)
-        serve(model, config, workload, np.zeros(len(workload)), args.max_batch, pool_tokens)  # compile, all at once
-        serve(model, config, workload[: args.max_batch], arrivals[: args.max_batch] - arrivals[0], args.max_batch,
-              pool_tokens)  # and the shapes of a trickle
+        served = with_affix_caches(model, workload) if config.selective else workload
+        start = time.perf_counter()
         with counting_compiles() as compiled:
-            result[name] = serve(model, config, workload, arrivals, args.max_batch, pool_tokens)
-        result[name].update(compiled)
-        print(json.dumps({name: result[name]}), flush=True)
-    result["speedup"] = result["acache"]["tokens_per_s"] / result["baseline"]["tokens_per_s"]
+            Engine(model, config, **settings).warm_up(args.max_batch * context)
+            firsts = list({id(affix): item for item in served for affix in [item[0]]}.values())
+            serve(Engine(model, config, **settings), firsts, np.zeros(len(firsts)))  # each affix's fill
+        result[name] = dict(warm_up=dict(compiled, seconds=time.perf_counter() - start), passes={})
+        for rate in rates:
+            arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, size=args.requests))
+            with counting_compiles() as compiled:
+                run = serve(Engine(model, config, **settings), served, arrivals)
+            result[name]["passes"][str(rate)] = dict(run, **compiled)
+            print(json.dumps({name: {"rate": rate, **run, **compiled}}), flush=True)
+    result["speedup"] = {str(rate): result["acache"]["passes"][str(rate)]["tokens_per_s"]
+                         / result["baseline"]["passes"][str(rate)]["tokens_per_s"] for rate in rates}
     print(json.dumps(result))
     if args.json:
         write_atomic(args.json, json.dumps(result, indent=1))
