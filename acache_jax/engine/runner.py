@@ -47,6 +47,7 @@ REUSE_PADDING = 1.5
 # With fixed shapes, the token axes: four per octave from 128 tokens (at most 1/4 padding, 24 sizes
 # up to 16k tokens), so that every program a server can need is known and compiled at start.
 FIXED_AXIS = dict(floor=128, ceiling=None, per_octave=4)
+FIXED_WIDTH_STEP = 16  # with fixed shapes, the read sets' width: the context rounded up to this
 
 
 @jax.tree_util.register_dataclass
@@ -247,7 +248,11 @@ class Runner:
         # serves) and token axes from FIXED_AXIS, so the programs do not depend on the traffic and
         # `warm_up` can compile them all.
         self.fixed_shapes = fixed_shapes
-        width = bucket(context)
+        # One width for the engine's life, so nothing is gained by rounding it to a bucket; rounding
+        # cost the jnp attention (which computes every key of a set, padding included) up to twice
+        # the keys: 512 for a context of 266 (docs/BENCHMARKS.md, realistic traffic). The kernel
+        # pads to its own key tile.
+        width = -(-context // FIXED_WIDTH_STEP) * FIXED_WIDTH_STEP
         # per read set (private, shared): wide enough for every request queued so far
         self.read_widths = [width, width if config.selective else 0] if fixed_shapes else [0, 0]
         self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
@@ -273,6 +278,8 @@ class Runner:
         segment's length are never read, and a width that changed with every mix of requests would
         compile a program per mix; sized when requests are queued, not when first scheduled, they
         change once for a queue of requests rather than as each longer one starts."""
+        if self.fixed_shapes:  # sized for the context, which bounds every request the engine takes
+            return
         needed = (seq.num_private(seq.num_anchors), seq.affix_len if seq.shares_affix else 0)
         self.read_widths = [max(w, bucket(max(1, n))) for w, n in zip(self.read_widths, needed)]
 
