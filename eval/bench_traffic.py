@@ -88,6 +88,14 @@ def with_affix_caches(model, workload):
     return [(None if affix is None else caches[tuple(affix)], request, gen) for affix, request, gen in workload]
 
 
+def first_of_each_affix(workload) -> list[int]:
+    """The index of the first request of each distinct affix (and of the first without one)."""
+    first: dict = {}
+    for i, (affix, _, _) in enumerate(workload):
+        first.setdefault(None if affix is None else tuple(affix), i)
+    return list(first.values())
+
+
 def row_length(workload) -> int:
     """Columns of the workload's longest row (prompt, affix, tail and generation)."""
     return max(sum(request.lengths(len(affix or ())).values()) + gen for affix, request, gen in workload)
@@ -214,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         with counting_compiles() as compiled:
             Engine(model, config, **settings).warm_up(args.max_batch * context)
-            firsts = list({id(affix): item for item in served for affix in [item[0]]}.values())
+            firsts = [served[i] for i in first_of_each_affix(workload)]
             serve(Engine(model, config, **settings), firsts, np.zeros(len(firsts)))  # each affix's fill
         result[name] = dict(warm_up=dict(compiled, seconds=time.perf_counter() - start), passes={})
         for rate in rates:

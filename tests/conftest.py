@@ -55,3 +55,16 @@ def pytest_runtest_teardown(item):
 def pytest_unconfigure(config):
     if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# The longest files, longest first (seconds on the 2-core CI machine, 2026-12-05). With --dist
+# loadfile the workers take whole files in collection order, so a long file collected last (the
+# soak tests, alphabetically near the end) ran alone while the other worker idled; handing out the
+# long ones first balances the two workers.
+LONG_FILES = ("test_soak.py", "test_engine.py", "test_acache.py", "test_sharding.py", "test_engine_bf16.py",
+              "test_checkpoints.py", "test_serve.py", "test_readme.py", "test_train.py", "test_lm_eval.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
