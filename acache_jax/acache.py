@@ -33,10 +33,11 @@ Selector = Literal["attention", "hkvd", "hkvd_block", "random", "bottom"]
 def build_affix_cache(model: Model, affix_ids, bucketed: bool = False) -> AffixCache:
     """Run the affix alone (positions 0..L-1) once; the result serves any number of requests.
 
-    bucketed: run it padded to `layout.bucket(L)` tokens, the padding masked out, so that affixes of
-    many lengths share a few compiled programs (a server meets a new length with every discovered
-    span). The real tokens' K/V are those of the unpadded run up to float summation order; use
-    one setting for caches whose results are compared."""
+    bucketed: run it padded to `layout.bucket(L)` tokens, the padding masked out, and keep the padded
+    rows (`AffixCache`), so that affixes of many lengths share a few compiled programs, here and
+    where an engine stores the cache (a server meets a new length with every discovered span). The
+    real tokens' K/V are those of the unpadded run up to float summation order; use one setting for
+    caches whose results are compared."""
     ids = check_affix(affix_ids, model.config)
     n = len(ids)
     padded = bucket(n) if bucketed else n
@@ -45,7 +46,7 @@ def build_affix_cache(model: Model, affix_ids, bucketed: bool = False) -> AffixC
     out = model.forward(jnp.asarray(tokens), ForwardInputs(jnp.arange(padded, dtype=jnp.int32)[None],
                                                            jnp.arange(padded)[None] < n if bucketed else None),
                         with_logits=False)
-    k, v = _first_rows(out.k, out.v, n)
+    k, v = _first_rows(out.k, out.v, padded)
     return place_kv(AffixCache(k, v, jnp.asarray(ids, jnp.int32), model.fingerprint), model.mesh)
 
 
@@ -112,7 +113,7 @@ def hkvd_deviation(structure: Structure, params: list[jax.Array], batch: Batch, 
     out = structure.forward(params, batch.tokens, ForwardInputs(batch.positions, batch.valid), with_logits=False,
                             attn_backend=attn_backend)
     theta = structure.config.rope_theta
-    return affix_deviation(out.k, out.v, batch.affix_column_index(), affix.rotated_k(theta), affix.v, theta)
+    return affix_deviation(out.k, out.v, batch.affix_column_index(), affix.rotated_k(theta), affix.kv()[1], theta)
 
 
 class Ranking(NamedTuple):

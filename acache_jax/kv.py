@@ -81,10 +81,15 @@ class PoolAccess:
 @dataclasses.dataclass
 class AffixCache:
     """K (before RoPE) and V of an affix computed alone at positions 0..L-1; shared by every
-    request with that affix (the pools store K rotated at 0..L-1, `rotated_k`)."""
+    request with that affix (the pools store K rotated at 0..L-1, `rotated_k`).
 
-    k: tuple[jax.Array, ...]  # layers x [L, kv_heads, head_dim]
-    v: tuple[jax.Array, ...]  # layers x [L, kv_heads, head_dim]
+    A bucketed build (`build_affix_cache(bucketed=True)`, the server's) keeps the rows of its padded
+    run: R >= L rows, those past L never read. Its arrays then have the same shapes for every affix
+    of a bucket, so the programs that store it in an engine's pool are one per bucket, not one per
+    length (a server meets a new length with every discovered span). `kv()` gives the L rows."""
+
+    k: tuple[jax.Array, ...]  # layers x [R, kv_heads, head_dim], R >= L
+    v: tuple[jax.Array, ...]  # layers x [R, kv_heads, head_dim]
     ids: jax.Array  # [L] int32 (a leaf, not static: another affix of the same length reuses programs)
     model_fingerprint: str = dataclasses.field(metadata=dict(static=True))
 
@@ -92,14 +97,20 @@ class AffixCache:
     def length(self) -> int:
         return self.ids.shape[0]
 
+    def kv(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """(K, V) of the affix's L tokens, without a bucketed build's padding rows."""
+        n = self.length
+        rows = lambda arrays: arrays if arrays[0].shape[0] == n else tuple(a[:n] for a in arrays)
+        return rows(self.k), rows(self.v)
+
     def rotated_k(self, rope_theta: float) -> tuple[jax.Array, ...]:
         """K as pools store it: rotated at the affix's own positions 0..L-1."""
-        return rotated_from_zero(self.k, rope_theta)
+        return rotated_from_zero(self.kv()[0], rope_theta)
 
     def pool(self, extra_rows: int, rope_theta: float) -> KVPool:
         """A pool whose rows 0..L-1 hold this affix (K rotated at 0..L-1), then `extra_rows` zero rows."""
         grow = lambda a: jnp.concatenate([a, jnp.zeros((extra_rows, *a.shape[1:]), a.dtype)])
-        return KVPool(tuple(map(grow, self.rotated_k(rope_theta))), tuple(map(grow, self.v)))
+        return KVPool(tuple(map(grow, self.rotated_k(rope_theta))), tuple(map(grow, self.kv()[1])))
 
 
 def rotated_from_zero(k: tuple[jax.Array, ...], rope_theta: float) -> tuple[jax.Array, ...]:

@@ -182,16 +182,17 @@ def _first(ranking: Ranking, n: int) -> Ranking:
 def _store_affix(pool: KVPool, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], slots: jax.Array,
                  rope_theta: float) -> KVPool:
     """An affix's per-layer K (before RoPE) and V [L, ...] stored in its shared slots [L], K rotated
-    at the affix's own positions 0..L-1."""
-    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype)) for p, n in zip(rows, new))
+    at the affix's own positions 0..L-1 (rows whose slot is past the pool are dropped)."""
+    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype), mode="drop") for p, n in zip(rows, new))
     return KVPool(put(pool.k, rotated_from_zero(k, rope_theta)), put(pool.v, v))
 
 
-@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
-def fill_affix(pool: KVPool, affix: AffixCache, slots: jax.Array, rope_theta: float) -> KVPool:
-    """Store an affix cache built beforehand (`build_affix_cache`) in its shared slots (one program
-    per affix length)."""
-    return _store_affix(pool, affix.k, affix.v, slots, rope_theta)
+@functools.partial(jax.jit, static_argnums=(4,), donate_argnums=(0,))
+def fill_affix(pool: KVPool, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], slots: jax.Array,
+               rope_theta: float) -> KVPool:
+    """Store an affix cache built beforehand (`build_affix_cache`) in its shared slots: one program
+    per shape of the cache's rows (a bucketed cache's padding rows go to slots past the pool)."""
+    return _store_affix(pool, k, v, slots, rope_theta)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
@@ -262,8 +263,10 @@ class Runner:
         call counts as device time, as the steps' calls do (on a GPU it can return only when the
         affix's forward is done: 18 ms of a 920-token affix at LLaDA-8B shape)."""
         if isinstance(affix, AffixCache):
-            slots = jax.device_put(np.asarray(slots, np.int32))
-            call = lambda: fill_affix(self.pool, affix, slots, self.model.config.rope_theta)
+            padded = np.full(affix.k[0].shape[0], self.pool.num_slots, np.int32)  # padding rows: dropped
+            padded[:len(slots)] = slots
+            slots = jax.device_put(padded)
+            call = lambda: fill_affix(self.pool, affix.k, affix.v, slots, self.model.config.rope_theta)
         else:
             ids, slots = jax.device_put((np.asarray(affix, np.int32), np.asarray(slots, np.int32)))
             call = lambda: compute_affix(self.structure, self.params, self.pool, ids, slots)
