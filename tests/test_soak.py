@@ -35,7 +35,7 @@ from acache_jax.layout import Request
 from tests.cli_process import rss_mb
 from tests.test_serve import _settle, start_server
 
-AFFIX_BUDGET_MB = 1  # --affix-memory-mb: 9 of the 16 prefixes' caches fit (111 kB each, bf16)
+AFFIX_BUDGET_MB = 1  # --affix-memory-mb: 5 of the 16 prefixes' caches fit (197 kB each: 32 rows for 18 tokens, bf16)
 MIN_TOKENS = 16  # --affix-min-tokens: a prefix (2 lines, 18 tokens) qualifies, one line of it does not
 CLIENTS = 8  # concurrent clients, each on its own keep-alive connection
 # Small, cheap requests: one block of 8 tokens in two forwards (a fixed schedule: the same work per
@@ -54,7 +54,7 @@ COMPILE_MAPS = 20
 # 250-880 maps: 0.03-0.13 MB per map (a leak of large arrays would add a map per array and far more
 # per map). The tenths that compiled nothing grew 1-13 MB in all over soaks of 2000 (in steps of up
 # to 5 MB: the allocator), and 2.4 MB over the last 6400 of 8000 requests: flat. Over 1000 requests
-# STEADY catches anything kept per request from about 24 kB a request up (an affix cache is 111 kB);
+# STEADY catches anything kept per request from about 24 kB a request up (an affix cache is 197 kB);
 # the engine test below catches the small things.
 STEADY_GROWTH_BOUND_MB = 24  # the tenths that compiled nothing, together
 COMPILE_MB_PER_MAP = 0.2  # the tenths that compiled, together, per memory map they added
