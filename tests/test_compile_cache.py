@@ -87,14 +87,19 @@ def test_a_second_process_reads_what_the_first_compiled(tmp_path):
     # MIN_COMPILE_SECS is kept by one process and not the other, as the machine's load goes.
     env = _env(tmp_path, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     cache = tmp_path / "xdg" / compile_cache.SUBDIR  # the default: $XDG_CACHE_HOME/acache-jax/jax-compile
+    # Every entry was compiled (a miss) by the first process. In about one run in three on 2 cores
+    # (at ab1d00b too) the first process also had one hit: a program it asked for twice, the second
+    # time reading the entry of the first (which one was not pinned down; jax shares no compile in
+    # flight between threads). So its hits are not counted, and the second process reads at least
+    # every entry back.
     out, err, events = _run(env)
     written = _entries(cache)
-    assert written and events.get("cache_misses") == len(written) and not events.get("cache_hits")
+    assert written and events.get("cache_misses") == len(written)
     assert any(name.startswith("jit__decode-") for name in written)  # the decode program, not only helpers
 
     again, err2, events2 = _run(env)
     assert again == out
-    assert events2.get("cache_hits") == len(written)  # every program the first process kept was read back
+    assert events2.get("cache_hits", 0) >= len(written)  # every program the first process kept was read back
     assert not events2.get("cache_misses") and _entries(cache) == written  # and nothing new was compiled into it
     assert not _notes(err + err2) and not _jax_cache_warnings(err + err2)
 
