@@ -124,7 +124,8 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
                                take(batch.positions, batch.affix_start[:, None])[:, 0]),)
         pool0 = KVPool(tuple(jnp.zeros((L + b * n_private, *a.shape[1:]), a.dtype).at[:L].set(a)
                              for a in affix.rotated_k(mcfg.rope_theta)),
-                       tuple(jnp.zeros((L + b * n_private, *a.shape[1:]), a.dtype).at[:L].set(a) for a in affix.kv()[1]))
+                       tuple(jnp.zeros((L + b * n_private, *a.shape[1:]), a.dtype).at[:L].set(a)
+                             for a in affix.kv()[1]))
     else:
         reads = (read_set(row_ids * t + col, dup(batch.valid), zero),)
         pool0 = KVPool.zeros(mcfg, rows * t, params[0].dtype)

@@ -303,5 +303,5 @@ def make_batch(
     positions = np.maximum(np.cumsum(valid, axis=1) - 1, 0).astype(np.int32)
     seeds = np.asarray([r.seed for r in requests] + [0] * (b - len(requests)), np.uint32)
     has_affix = any(r.affix_position is not None for r in requests)
-    return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid), jnp.asarray(seeds), jnp.asarray(affix_start), left,
-                 gen_length, len(affix) if has_affix and affix else 0)
+    return Batch(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(valid), jnp.asarray(seeds),
+                 jnp.asarray(affix_start), left, gen_length, len(affix) if has_affix and affix else 0)

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.sampling import Commits
 from acache_jax.acache import DEVIATION_SELECTORS, PROBE_SIGN, Ranking, affix_deviation, anchor_ranking
 from acache_jax.config import DecodeConfig
 from acache_jax.engine.scheduler import Plan, StepOutput, Work
@@ -39,6 +38,7 @@ from acache_jax.engine.sequence import SequenceState
 from acache_jax.kv import AffixCache, KVPool, PoolAccess, ReadSet, flat_index, rotated_from_zero, rows_access
 from acache_jax.layout import bucket, row_bucket, token_bucket
 from acache_jax.model import ForwardInputs, Structure
+from acache_jax.sampling import Commits
 
 TILE_ROWS = 128  # query rows per attention tile (tokens x the query heads of one kv head)
 # A packed step may run on an already compiled token axis up to this many times its tokens long
