@@ -1,8 +1,9 @@
 """Our checkpoint format and `load`, which accepts it or an HF snapshot directory.
 
 A converted checkpoint is a directory holding the HF `config.json` (the single source of the model
-config), `acache.json` (format marker and dtype), `params/` (orbax-checkpoint), the tokenizer files
-and `generation_config.json`. It is written to a hidden sibling directory renamed into place, so a
+config), `acache.json` (format marker and dtype), `params/` (orbax-checkpoint: our parameter tree,
+its fused projections laid out for no KV-head copies), the tokenizer files and
+`generation_config.json`. It is written to a hidden sibling directory renamed into place, so a
 failed or interrupted write leaves nothing at the destination; a later write removes what an
 interrupted one left beside it.
 """
@@ -28,13 +29,13 @@ from jax.sharding import Mesh
 from acache_jax import compile_cache
 from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
 from acache_jax.files import partial_name, remove_stale_partials
-from acache_jax.hf_checkpoint import CheckpointError, iter_tensors, stored_dtype
+from acache_jax.hf_checkpoint import CheckpointError, Entry, iter_tensors, stored_dtype
 from acache_jax.model import Model, abstract_transformer
-from acache_jax.sharding import is_kv_projection, kv_copies, param_sharding, place_param, sharded_config
+from acache_jax.sharding import FUSED_PARTS, fuse_param, is_qkv, kv_copies, param_sharding, place_param, sharded_config
 from acache_jax.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 FORMAT_FILE = "acache.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: q/k/v and gate/up stored apart (before the fused projections); not read
 CARRIED_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG_FILE)  # copied as they are into a converted checkpoint
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -125,11 +126,18 @@ def save(
 def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:
     """The stored parameters, placed as a snapshot's are (uncommitted on one device, so that both
     formats run the same programs); on a mesh each leaf is restored straight into its shards
-    (leaves whose KV heads are copied come to host memory first, to be copied and placed)."""
+    (qkv leaves, when KV heads are copied, come to host memory first, to be re-laid out and placed)."""
     import orbax.checkpoint as ocp
 
     marker = read_json(path / FORMAT_FILE)
     marker = marker if isinstance(marker, dict) else {}
+    version = marker.get("format")
+    if version != FORMAT_VERSION:
+        older = isinstance(version, int) and version < FORMAT_VERSION
+        raise CheckpointError(f"{path} was written by {'an older' if older else 'another'} version of acache-jax "
+                              f"(checkpoint format {version!r}; this version reads format {FORMAT_VERSION}, with "
+                              "fused q/k/v and gate/up weights): convert the model again from its HF snapshot "
+                              "(python -m convert SRC_DIR DST_DIR)")
     stored = marker.get("dtype")
     if stored not in DTYPES:
         raise CheckpointError(f"{path / FORMAT_FILE} names no known dtype ({sorted(DTYPES)}): {stored!r}")
@@ -142,8 +150,8 @@ def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Me
         keys = tuple(k.key for k in leaf_path)
         if mesh is None:
             return jax.ShapeDtypeStruct(a.shape, a.dtype)
-        if copies > 1 and is_kv_projection(keys):
-            return np.empty(a.shape, a.dtype)  # restored to host memory, then copied and placed
+        if copies > 1 and is_qkv(keys):
+            return np.empty(a.shape, a.dtype)  # restored to host memory, then re-laid out and placed
         return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=param_sharding(mesh, keys))
 
     target = jax.tree_util.tree_map_with_path(leaf_target, target)
@@ -224,32 +232,52 @@ PLACE_THREADS = 4  # transfers from pageable host memory go faster several at a 
 
 def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
             desc: str = "loading") -> Iterator[tuple[tuple, jax.Array]]:
-    """(our param path, device array in our layout) for every tensor of an HF snapshot, in file
+    """(our param path, device array in our layout) for every parameter of an HF snapshot, in file
     order: the host maps the files' bytes, the device transposes and casts them
     (acache_jax.sharding.place_param). A few tensors are placed at once on threads; a tensor is
-    handed out once its transfer and relayout are done, and no more than IN_FLIGHT_BYTES (or one
-    tensor, if larger) are in flight, so neither memory holds more than that beyond the model
-    (unbounded, an 8B load peaked at twice the model on the device)."""
-    with ThreadPoolExecutor(PLACE_THREADS, thread_name_prefix="place-weights") as pool:
-        window: deque[tuple[tuple, int, Future]] = deque()
-        in_flight = 0
+    done once its transfer and relayout are, and no more than IN_FLIGHT_BYTES (or one tensor, if
+    larger) are in flight, so neither memory holds more than that beyond the model (unbounded, an
+    8B load peaked at twice the model on the device).
 
-        def done() -> tuple[tuple, jax.Array]:
+    A done tensor is handed out, or, if it is a part of a fused parameter (q/k/v, gate/up:
+    `Entry.part`), held on the device until its siblings are done too; the device then builds the
+    parameter (`fuse_param`), which is handed out in their place, and the parts go. Siblings are
+    often neighbours in the files, but need not be (LLaDA-8B's shards hold every layer's q_proj,
+    then every k_proj, ...): held parts are bytes of the model (their parameter replaces them), so
+    the device holds at most the model, the tensors in flight and one parameter being fused."""
+    with ThreadPoolExecutor(PLACE_THREADS, thread_name_prefix="place-weights") as pool:
+        window: deque[tuple[Entry, int, Future]] = deque()
+        in_flight = 0
+        held: dict[tuple, dict[str, jax.Array]] = {}  # fused parameter path -> its parts done so far
+
+        def done() -> Iterator[tuple[tuple, jax.Array]]:
             nonlocal in_flight
-            param_path, nbytes, future = window.popleft()
+            entry, nbytes, future = window.popleft()
             in_flight -= nbytes
-            return param_path, future.result().block_until_ready()
+            array = future.result().block_until_ready()
+            if entry.part is None:
+                yield entry.path, array
+                return
+            parts = held.setdefault(entry.path, {})
+            parts[entry.part] = array
+            del array
+            names = FUSED_PARTS[entry.path[-2]]
+            if len(parts) == len(names):
+                del held[entry.path]
+                fused = fuse_param(entry.path, [parts.pop(name) for name in names], cfg, mesh)
+                yield entry.path, fused.block_until_ready()
 
         try:
             for entry, tensor in iter_tensors(path, cfg, progress(f"{desc} {path.name}")):
                 while window and in_flight + tensor.nbytes > IN_FLIGHT_BYTES:
-                    yield done()
-                window.append((entry.path, tensor.nbytes, pool.submit(
-                    place_param, entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose)))
+                    yield from done()
+                window.append((entry, tensor.nbytes, pool.submit(
+                    place_param, entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose, part=entry.part)))
                 in_flight += tensor.nbytes
                 del tensor  # the map goes once its transfer is done
             while window:
-                yield done()
+                yield from done()
+            assert not held, f"parts without all their siblings: {sorted(held)}"  # key_map lists every part
         finally:
             for _, _, future in window:
                 future.cancel()

@@ -1,5 +1,7 @@
 """The HF LLaDA / Dream checkpoint layout, both ways: safetensors -> the tensors our parameters are
 made of (what `load` and the converter read), and our parameters -> an HF directory (`export_hf`).
+Our fused projections are several HF tensors each: q_proj, k_proj, v_proj (weights and biases) are
+the parts of `attn.qkv`, gate_proj (LLaDA: ff_proj) and up_proj those of `mlp.gate_up`.
 
 Every tensor name, shape, dtype and file is checked from the safetensors headers before any data is
 read, so a bad checkpoint fails with one error that lists every problem, having loaded nothing.
@@ -26,9 +28,10 @@ from safetensors.numpy import save_file
 from acache_jax.config import (DREAM_FIXED, GENERATION_CONFIG_FILE, LLADA_FIXED, DecodeConfig, InputError,
                                ModelConfig, generation_config_json, read_json)
 from acache_jax.files import write_atomic
+from acache_jax.sharding import split_parts
 from acache_jax.tokenizer import TOKENIZER_FILES
 
-ParamPath = tuple  # e.g. ("layers", 3, "attn", "q", "kernel")
+ParamPath = tuple  # e.g. ("layers", 3, "attn", "qkv", "kernel")
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -37,9 +40,13 @@ class CheckpointError(InputError):
 
 
 class Entry(NamedTuple):
-    path: ParamPath  # where the tensor goes in our parameter tree
+    """Where one HF tensor goes: a parameter of ours, or one part of a fused one (the device builds
+    the fused parameter of its parts: acache_jax.sharding.fuse_param; FUSED_PARTS lists them)."""
+
+    path: ParamPath  # the parameter in our tree it is or is a part of
     hf_shape: tuple[int, ...]  # its shape in the HF file (PyTorch Linear: [out, in])
     transpose: bool  # Linear weights become [in, out] kernels
+    part: str | None = None  # which part of the fused parameter at `path` ("q", "k", "v", "gate", "up"); None: all
 
 
 def key_map(cfg: ModelConfig) -> dict[str, Entry]:
@@ -53,11 +60,11 @@ def key_map(cfg: ModelConfig) -> dict[str, Entry]:
             "model.transformer.ff_out.weight": Entry(("lm_head", "kernel"), (v, d), True),
         }
         prefix = "model.transformer.blocks.{}."
-        names = {
-            "attn_norm.weight": ("attn_norm", "weight"), "ff_norm.weight": ("mlp_norm", "weight"),
-            "q_proj": ("attn", "q"), "k_proj": ("attn", "k"), "v_proj": ("attn", "v"),
-            "attn_out": ("attn", "o"), "ff_proj": ("mlp", "gate"), "up_proj": ("mlp", "up"),
-            "ff_out": ("mlp", "down"),
+        norms = {"attn_norm.weight": "attn_norm", "ff_norm.weight": "mlp_norm"}
+        linears = {  # HF module -> (our module, its parameter, the part the HF one is)
+            "q_proj": ("attn", "qkv", "q"), "k_proj": ("attn", "qkv", "k"), "v_proj": ("attn", "qkv", "v"),
+            "attn_out": ("attn", "o", None), "ff_proj": ("mlp", "gate_up", "gate"), "up_proj": ("mlp", "gate_up", "up"),
+            "ff_out": ("mlp", "down", None),
         }
     else:
         top = {
@@ -66,29 +73,27 @@ def key_map(cfg: ModelConfig) -> dict[str, Entry]:
             "lm_head.weight": Entry(("lm_head", "kernel"), (v, d), True),
         }
         prefix = "model.layers.{}."
-        names = {
-            "input_layernorm.weight": ("attn_norm", "weight"),
-            "post_attention_layernorm.weight": ("mlp_norm", "weight"),
-            "self_attn.q_proj": ("attn", "q"), "self_attn.k_proj": ("attn", "k"),
-            "self_attn.v_proj": ("attn", "v"), "self_attn.o_proj": ("attn", "o"),
-            "mlp.gate_proj": ("mlp", "gate"), "mlp.up_proj": ("mlp", "up"),
-            "mlp.down_proj": ("mlp", "down"),
+        norms = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm"}
+        linears = {
+            "self_attn.q_proj": ("attn", "qkv", "q"), "self_attn.k_proj": ("attn", "qkv", "k"),
+            "self_attn.v_proj": ("attn", "qkv", "v"), "self_attn.o_proj": ("attn", "o", None),
+            "mlp.gate_proj": ("mlp", "gate_up", "gate"), "mlp.up_proj": ("mlp", "gate_up", "up"),
+            "mlp.down_proj": ("mlp", "down", None),
         }
-    linear_shapes = {
-        ("attn", "q"): (q_out, d), ("attn", "k"): (kv_out, d), ("attn", "v"): (kv_out, d),
-        ("attn", "o"): (d, q_out), ("mlp", "gate"): (f, d), ("mlp", "up"): (f, d), ("mlp", "down"): (d, f),
+    shapes = {  # of each HF Linear weight, by the part it is or our module
+        "q": (q_out, d), "k": (kv_out, d), "v": (kv_out, d), "o": (d, q_out), "gate": (f, d), "up": (f, d),
+        "down": (d, f),
     }
     out = dict(top)
     for layer in range(cfg.num_layers):
-        for hf_name, ours in names.items():
-            key = prefix.format(layer) + hf_name
-            if ours in linear_shapes:
-                shape = linear_shapes[ours]
-                out[key + ".weight"] = Entry(("layers", layer, *ours, "kernel"), shape, True)
-                if cfg.qkv_bias and ours[1] in "qkv":
-                    out[key + ".bias"] = Entry(("layers", layer, *ours, "bias"), shape[:1], False)
-            else:
-                out[key] = Entry(("layers", layer, *ours), (d,), False)
+        for hf_name, norm in norms.items():
+            out[prefix.format(layer) + hf_name] = Entry(("layers", layer, norm, "weight"), (d,), False)
+        for hf_name, (block, module, part) in linears.items():
+            key, path = prefix.format(layer) + hf_name, ("layers", layer, block, module)
+            shape = shapes[part or module]
+            out[key + ".weight"] = Entry((*path, "kernel"), shape, True, part)
+            if cfg.qkv_bias and module == "qkv":
+                out[key + ".bias"] = Entry((*path, "bias"), shape[:1], False, part)
     return out
 
 
@@ -270,10 +275,15 @@ def export_hf(dst: str | Path, cfg: ModelConfig, params: nnx.State, tokenizer_di
     dst.mkdir(parents=True, exist_ok=True)
     tree = jax.device_get(nnx.to_pure_dict(params))
     tensors = {}
+    parts: dict[ParamPath, dict[str, np.ndarray]] = {}  # each fused parameter's parts, split once
     for name, entry in key_map(cfg).items():
         array = tree
-        for part in entry.path:
-            array = array[part]
+        for key in entry.path:
+            array = array[key]
+        if entry.part is not None:
+            if entry.path not in parts:
+                parts[entry.path] = split_parts(entry.path[-2], np.asarray(array), cfg.num_kv_heads, cfg.head_dim)
+            array = parts[entry.path][entry.part]
         array = np.asarray(array).astype(NUMPY_DTYPES[dtype])
         tensors[name] = np.ascontiguousarray(array.T if entry.transpose else array)
         if tensors[name].shape != entry.hf_shape:

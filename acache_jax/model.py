@@ -2,11 +2,14 @@
 
 One network serves both: pre-norm blocks with RMSNorm (fp32), RoPE (rotate-half), MHA or GQA with
 optional q/k/v bias, a SwiGLU MLP and an untied LM head. Dream's logit shift is a property of the
-config. Jitted code has one entry, `Structure.forward(params, tokens, inputs)` over the weights as
-a flat list (`Model.flat`): the tokens it is given, at the positions `inputs` says, attending either
-to their own rows (dense) or, through a `PoolAccess`, to pool rows after writing their own K/V there
-(every cache policy, static or served). `Model.forward` and `Model.logits` are its jitted form for
-callers outside jitted code; training differentiates the module itself (eval/train.py).
+config. The q, k and v projections are one weight, `attn.qkv`, and the MLP's gate and up another,
+`mlp.gate_up`: one matmul each (their column layouts: acache_jax/sharding.py `fuse_qkv`,
+`fuse_gate_up`); checkpoints keep them apart, and loading fuses them. Jitted code has one entry,
+`Structure.forward(params, tokens, inputs)` over the weights as a flat list (`Model.flat`): the
+tokens it is given, at the positions `inputs` says, attending either to their own rows (dense) or,
+through a `PoolAccess`, to pool rows after writing their own K/V there (every cache policy, static
+or served). `Model.forward` and `Model.logits` are its jitted form for callers outside jitted code;
+training differentiates the module itself (eval/train.py).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from jax.sharding import Mesh
 from acache_jax.attention import attend_dense, attend_pool
 from acache_jax.config import DecodeConfig, DecodeError, InputError, ModelConfig, name_defaults
 from acache_jax.kv import KVPool, PoolAccess
-from acache_jax.sharding import use_mesh
+from acache_jax.sharding import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv, use_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -69,24 +72,28 @@ class RMSNorm(nnx.Module):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is [in, out] (the transpose of PyTorch's layout)."""
+    """y = x @ kernel (+ bias, zeros at first); kernel is [in, out] (the transpose of PyTorch's layout)."""
 
-    def __init__(self, d_in: int, d_out: int, bias: bool, dtype: Any, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), dtype) * d_in**-0.5)
-        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+    def __init__(self, kernel: jax.Array, bias: bool):
+        self.kernel = nnx.Param(kernel)
+        self.bias = nnx.Param(jnp.zeros(kernel.shape[-1:], kernel.dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
         return y + self.bias[...] if self.bias is not None else y
 
 
+def _random_kernel(d_in: int, d_out: int, dtype: Any, rngs: nnx.Rngs) -> jax.Array:
+    return jax.random.normal(rngs.params(), (d_in, d_out), dtype) * d_in**-0.5
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
-        d, hd = cfg.hidden_size, cfg.head_dim
-        self.q = Linear(d, cfg.num_heads * hd, cfg.qkv_bias, dtype, rngs)
-        self.k = Linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs)
-        self.v = Linear(d, cfg.num_kv_heads * hd, cfg.qkv_bias, dtype, rngs)
-        self.o = Linear(cfg.num_heads * hd, d, False, dtype, rngs)
+        d, hd, kv = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
+        # Drawn as the three projections they fuse (the random values of separate ones), stored fused.
+        q, k, v = (_random_kernel(d, n * hd, dtype, rngs) for n in (cfg.num_heads, kv, kv))
+        self.qkv = Linear(fuse_qkv(q, k, v, kv, hd), cfg.qkv_bias)
+        self.o = Linear(_random_kernel(cfg.num_heads * hd, d, dtype, rngs), False)
         self.cfg = cfg
 
     def __call__(self, x: jax.Array, inputs: ForwardInputs, backend: str | None):
@@ -95,9 +102,8 @@ class Attention(nnx.Module):
         cfg = self.cfg
         lead = x.shape[:-1]
         with jax.named_scope("qkv"):
-            q = self.q(x).reshape(*lead, cfg.num_heads, cfg.head_dim)
-            k = self.k(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-            v = self.v(x).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+            parts = split_qkv(self.qkv(x), cfg.num_kv_heads, cfg.head_dim)
+            q, k, v = (y.reshape(*lead, -1, cfg.head_dim) for y in parts)
         with jax.named_scope("attention"):
             if inputs.access is None:
                 valid = jnp.ones(lead, bool) if inputs.valid is None else inputs.valid
@@ -111,12 +117,14 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: Any, rngs: nnx.Rngs):
-        self.gate = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
-        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, False, dtype, rngs)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype, rngs)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        gate, up = (_random_kernel(d, f, dtype, rngs) for _ in range(2))
+        self.gate_up = Linear(fuse_gate_up(gate, up), False)
+        self.down = Linear(_random_kernel(f, d, dtype, rngs), False)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        gate, up = split_gate_up(self.gate_up(x))
+        return self.down(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):
@@ -141,7 +149,7 @@ class Transformer(nnx.Module):
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
         self.layers = nnx.List([Block(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype, rngs)
+        self.lm_head = Linear(_random_kernel(cfg.hidden_size, cfg.vocab_size, dtype, rngs), False)
 
     def __call__(self, token_ids: jax.Array, inputs: ForwardInputs, *, with_logits: bool = True,
                  attn_backend: str | None = None, embeddings: jax.Array | None = None) -> ForwardOutput:

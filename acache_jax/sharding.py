@@ -9,8 +9,13 @@ changing the parallel strategy means changing the rules, not the model.
 KV heads are split over `model` with the query heads they serve. When a model has fewer KV heads
 than the tensor-parallel size (GQA, e.g. Dream-7B's 4 on 8 devices), each KV head is stored
 `tp / kv_heads` times, one copy per device that needs it (as vLLM does): the loaded model's
-`config.num_kv_heads` becomes tp, its K/V projections hold the copies side by side, and query
-head h still reads a copy of KV head h // (num_heads / kv_heads) of the checkpoint.
+`config.num_kv_heads` becomes tp, its qkv projection holds tp groups, each with a copy of its KV
+head, and query head h still reads a copy of KV head h // (num_heads / kv_heads) of the checkpoint.
+
+The q, k and v projections are one fused weight (`qkv`), the MLP's gate and up another (`gate_up`):
+one matmul each instead of three and two. Their column layouts (`fuse_qkv`, `fuse_gate_up`) are
+owned here, because they are chosen so that splitting the columns over `model` gives each device
+whole KV-head groups and whole gate/up pairs; checkpoints store the parts, which loading fuses.
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ class MeshError(ConfigError):
 class ShardingRules:
     """The mesh axis of each logical axis (None: replicated).
 
-    q/k/v are split by head and the MLP's gate/up by hidden unit (column-parallel), o and down on
-    their input (row-parallel): each layer needs one all-reduce after attention and one after the
-    MLP, and attention itself is local to a device's heads. The vocabulary is split in the
+    The fused qkv projection is split by KV-head group (a device holds whole groups: query heads
+    with the K and V they read) and the MLP's fused gate_up by hidden unit (column-parallel), o
+    and down on their input (row-parallel): each layer needs one all-reduce after attention and one
+    after the MLP, and attention itself is local to a device's heads. The vocabulary is split in the
     embedding table and the LM head (logits come out split by vocabulary). Pool slots are not
     split: any request may read any slot, and a slot of the static path's pool belongs to no
     fixed batch shard (the affix rows are shared by every row).
@@ -67,11 +73,9 @@ RULES = ShardingRules()
 
 # Logical axes of each parameter, by (module, leaf) name; kernels are [in, out].
 PARAM_AXES = {
-    ("q", "kernel"): ("embed", "heads"), ("q", "bias"): ("heads",),
-    ("k", "kernel"): ("embed", "kv_heads"), ("k", "bias"): ("kv_heads",),
-    ("v", "kernel"): ("embed", "kv_heads"), ("v", "bias"): ("kv_heads",),
+    ("qkv", "kernel"): ("embed", "kv_heads"), ("qkv", "bias"): ("kv_heads",),  # split by KV-head group
     ("o", "kernel"): ("heads", "embed"),
-    ("gate", "kernel"): ("embed", "mlp"), ("up", "kernel"): ("embed", "mlp"), ("down", "kernel"): ("mlp", "embed"),
+    ("gate_up", "kernel"): ("embed", "mlp"), ("down", "kernel"): ("mlp", "embed"),
     ("lm_head", "kernel"): ("embed", "vocab"),
 }
 EMBED_AXES = ("vocab", "embed")  # the embedding table
@@ -81,7 +85,7 @@ ROWS_AXES = ("batch",)  # the leading axis of a static batch's arrays
 
 
 def param_axes(path: Sequence[Any]) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at `path` (e.g. ("layers", 0, "attn", "q", "kernel"))."""
+    """Logical axes of the parameter at `path` (e.g. ("layers", 0, "attn", "qkv", "kernel"))."""
     names = tuple(str(p) for p in path)
     if names == ("embed",):
         return EMBED_AXES
@@ -127,6 +131,9 @@ def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
     kv = cfg.num_kv_heads
     if kv % tp and tp % kv:
         raise MeshError(f"tensor parallel size {tp} must divide the model's {kv} KV heads or be a multiple of them")
+    # Hence whole groups of the fused layouts on each device: kv % tp == 0 (no copies) splits the kv
+    # groups evenly; tp = kv * copies gives one group a device, its num_heads / tp query heads whole
+    # since tp divides the heads; and tp divides the MLP size, so each device holds whole gate/up pairs.
 
 
 def sharded_config(cfg: ModelConfig, mesh: Mesh | None) -> ModelConfig:
@@ -141,9 +148,9 @@ def param_sharding(mesh: Mesh, path: Sequence[Any]) -> NamedSharding:
     return NamedSharding(mesh, RULES.spec(param_axes(path)))
 
 
-def is_kv_projection(path: Sequence[Any]) -> bool:
-    names = tuple(str(p) for p in path)
-    return len(names) >= 3 and names[-3] == "attn" and names[-2] in ("k", "v")
+def is_qkv(path: Sequence[Any]) -> bool:
+    """Whether the parameter at `path` is a fused q/k/v projection leaf (its layout depends on the KV copies)."""
+    return len(path) >= 2 and str(path[-2]) == "qkv"
 
 
 def repeat_kv_heads(array: Any, kv_heads: int, head_dim: int, copies: int) -> Any:
@@ -156,52 +163,136 @@ def repeat_kv_heads(array: Any, kv_heads: int, head_dim: int, copies: int) -> An
     return jnp.repeat(heads, copies, axis=-2).reshape(*array.shape[:-1], -1)
 
 
+# The fused parameters' modules and the checkpoint tensors they are made of, in order (Entry.part names one).
+FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+
+
+def fuse_qkv(q: Any, k: Any, v: Any, kv_heads: int, head_dim: int, copies: int = 1) -> jax.Array:
+    """The fused q/k/v projection leaf (kernel [D, N] or bias [N]) from the checkpoint's q
+    [..., heads * head_dim] and k, v [..., kv_heads * head_dim]: kv_heads * copies groups of columns,
+    group j holding its G = heads / (kv_heads * copies) query heads j*G .. j*G+G-1, then k and v of
+    checkpoint KV head j // copies (`repeat_kv_heads`), head_dim columns each. Query head h is thus
+    in group h // G, the KV head attention reads for it, and an even split of the columns over
+    `model` gives each device whole groups. Traceable: loading runs it on the device."""
+    groups, lead = kv_heads * copies, q.shape[:-1]
+    k, v = (repeat_kv_heads(a, kv_heads, head_dim, copies).reshape(*lead, groups, 1, head_dim) for a in (k, v))
+    return jnp.concatenate([q.reshape(*lead, groups, -1, head_dim), k, v], axis=-2).reshape(*lead, -1)
+
+
+def split_qkv(qkv: Any, kv_heads: int, head_dim: int) -> tuple[Any, Any, Any]:
+    """(q [..., heads * head_dim], k, v [..., kv_heads * head_dim]) of a fused q/k/v leaf or of its
+    matmul's output, laid out by `fuse_qkv` for `kv_heads` groups (the placed config's KV heads).
+    Reshapes and slices only: numpy arrays stay numpy."""
+    lead = qkv.shape[:-1]
+    y = qkv.reshape(*lead, kv_heads, -1, head_dim)
+    return y[..., :-2, :].reshape(*lead, -1), y[..., -2, :].reshape(*lead, -1), y[..., -1, :].reshape(*lead, -1)
+
+
+def fuse_gate_up(gate: Any, up: Any) -> jax.Array:
+    """The fused gate/up kernel [D, 2F] from gate and up [D, F]: columns in pairs (gate_f, up_f), so
+    that an even split over `model` gives each device whole pairs, whatever its size. Traceable."""
+    return jnp.stack([gate, up], axis=-1).reshape(*gate.shape[:-1], -1)
+
+
+def split_gate_up(gate_up: Any) -> tuple[Any, Any]:
+    """(gate, up) [..., F] of a fused gate/up kernel or of its matmul's output (numpy stays numpy)."""
+    pairs = gate_up.reshape(*gate_up.shape[:-1], -1, 2)
+    return pairs[..., 0], pairs[..., 1]
+
+
+def fuse_parts(module: str, parts: Sequence[Any], kv_heads: int, head_dim: int, copies: int = 1) -> jax.Array:
+    """The fused leaf of `module` ("qkv" or "gate_up") from its parts in FUSED_PARTS order."""
+    return fuse_qkv(*parts, kv_heads, head_dim, copies) if module == "qkv" else fuse_gate_up(*parts)
+
+
+def split_parts(module: str, leaf: Any, kv_heads: int, head_dim: int) -> dict[str, Any]:
+    """Part name -> part of a fused leaf of `module` (the inverse of `fuse_parts` with copies 1)."""
+    parts = split_qkv(leaf, kv_heads, head_dim) if module == "qkv" else split_gate_up(leaf)
+    return dict(zip(FUSED_PARTS[module], parts, strict=True))
+
+
 def place_param(path: Sequence[Any], array: np.ndarray | jax.Array, cfg: ModelConfig, mesh: Mesh | None,
-                dtype: Any, transposed: bool = False) -> jax.Array:
-    """One parameter onto the device (or its shards on `mesh`), in our layout and `dtype`.
+                dtype: Any, transposed: bool = False, part: str | None = None) -> jax.Array:
+    """One parameter, or one part of a fused one, onto the device (or its shards on `mesh`), in our
+    layout and `dtype`; `cfg` is the checkpoint's (KV heads not copied).
 
     `array` holds a checkpoint's bytes as read (host memory; `transposed`: PyTorch's [out, in]
     layout of an [in, out] kernel) or an array already placed. The host only copies bytes: the
     transpose, the cast and the KV-head copies run on the device, where they take microseconds
     (on the host they cost most of an 8B model's load). On a mesh each device receives only its
-    own slice of the stored tensor (no device ever holds a whole split tensor), except K/V
-    projections that are copied, which are small.
+    own slice of the stored tensor (no device ever holds a whole split tensor), except where KV
+    heads are copied (`kv_copies` > 1): the k and v parts, which are small, and a whole qkv leaf of
+    a converted checkpoint (stored without copies), which is re-laid out for the copies here.
+
+    part: which part of the fused parameter at `path` `array` is (FUSED_PARTS; `fuse_param` then
+    builds the parameter). A part is split over `model` as its parameter's columns are, so that each
+    device receives the parts of its own groups or hidden units and the fusion is local: q by query
+    head, k and v by KV head (whole on every device when copied), gate and up by hidden unit.
     """
-    copies = kv_copies(cfg, tensor_parallel_size(mesh)) if is_kv_projection(path) else 1
+    copies = kv_copies(cfg, tensor_parallel_size(mesh)) if is_qkv(path) else 1
     target = None if mesh is None else param_sharding(mesh, path)
+    if target is not None and copies > 1 and part in ("k", "v"):
+        target = NamedSharding(mesh, P())  # fewer KV heads than devices: whole, copied by fuse_param
+    regroup = copies if part is None else 1  # a whole qkv leaf laid out for no copies
     if not isinstance(array, jax.Array):
         if mesh is None:  # uncommitted: inputs made later (uncommitted too) then run the same programs
             array = jax.device_put(array)
         else:
-            spec = P() if copies > 1 else P(*reversed(target.spec)) if transposed else target.spec
+            spec = P() if regroup > 1 else P(*reversed(target.spec)) if transposed else target.spec
             host = array
             array = jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda index: host[index])
-    if not transposed and copies == 1 and array.dtype == jnp.dtype(dtype):
+    if not transposed and regroup == 1 and array.dtype == jnp.dtype(dtype):
         return array
-    relayout = _relayout(jnp.dtype(dtype), transposed, copies, cfg.num_kv_heads, cfg.head_dim, target)
-    signature = (relayout, array.shape, array.dtype, array.sharding)
+    return _call(_relayout(jnp.dtype(dtype), transposed, regroup, cfg.num_kv_heads, cfg.head_dim, target), array)
+
+
+def fuse_param(path: Sequence[Any], parts: Sequence[jax.Array], cfg: ModelConfig, mesh: Mesh | None) -> jax.Array:
+    """The fused parameter at `path` built on the device from its parts (FUSED_PARTS order) as
+    `place_param` placed them, with its sharding on `mesh`; `cfg` is the checkpoint's."""
+    module = str(path[-2])
+    copies = kv_copies(cfg, tensor_parallel_size(mesh)) if module == "qkv" else 1
+    target = None if mesh is None else param_sharding(mesh, path)
+    return _call(_fuse(module, cfg.num_kv_heads, cfg.head_dim, copies, target), *parts)
+
+
+def _call(program: Any, *arrays: jax.Array) -> jax.Array:
+    """`program(*arrays)`, the first call per input signature under a lock: it compiles, loading
+    places tensors on several threads, and jax does not share a compile in flight (concurrent first
+    calls of one program each compiled it)."""
+    signature = (program, *((a.shape, a.dtype, a.sharding) for a in arrays))
     if signature not in _compiled:
-        # The first call compiles. Loading places tensors on several threads, and jax does not
-        # share a compile in flight: concurrent first calls of one program each compiled it.
         with _compiling:
             if signature not in _compiled:
-                placed = relayout(array)
+                out = program(*arrays)
                 _compiled.add(signature)
-                return placed
-    return relayout(array)
+                return out
+    return program(*arrays)
 
 
 _compiling = threading.Lock()
-_compiled: set = set()  # (relayout, shape, dtype, sharding) already called once
+_compiled: set = set()  # (program, (shape, dtype, sharding) of each input) already called once
 
 
 @functools.cache
 def _relayout(dtype: Any, transposed: bool, copies: int, kv_heads: int, head_dim: int,
               sharding: NamedSharding | None) -> Any:
-    """The device's part of loading one kind of tensor, compiled once per kind (not per layer)."""
+    """The device's part of loading one kind of tensor, compiled once per kind (not per layer);
+    copies > 1: a whole qkv leaf laid out for none, re-laid out with each KV head `copies` times."""
     def run(x):
-        return repeat_kv_heads((x.T if transposed else x).astype(dtype), kv_heads, head_dim, copies)
+        x = (x.T if transposed else x).astype(dtype)
+        if copies == 1:
+            return x
+        x = fuse_qkv(*split_qkv(x, kv_heads, head_dim), kv_heads, head_dim, copies)
+        # Regrouped whole on every device (x is whole there), each then keeps its own columns: left
+        # to itself, the partitioner split the regrouping and moved slices between devices.
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, P()))
     return jax.jit(run, out_shardings=sharding)
+
+
+@functools.cache
+def _fuse(module: str, kv_heads: int, head_dim: int, copies: int, sharding: NamedSharding | None) -> Any:
+    """The device's fusion of one kind of fused parameter, compiled once per kind (not per layer)."""
+    return jax.jit(lambda *parts: fuse_parts(module, parts, kv_heads, head_dim, copies), out_shardings=sharding)
 
 
 def kv_sharding(mesh: Mesh) -> NamedSharding:

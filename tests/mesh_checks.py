@@ -5,6 +5,7 @@ which the pytest process, with jax imported and one device, cannot do). Each fai
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from acache_jax.config import DecodeConfig  # noqa: E402
 from acache_jax.decode import generate  # noqa: E402
 from acache_jax.layout import Request  # noqa: E402
 from acache_jax.config import ModelConfig  # noqa: E402
-from acache_jax.sharding import MeshError, check_mesh, make_mesh, param_axes  # noqa: E402
+from acache_jax.sharding import MeshError, check_mesh, make_mesh, param_axes, split_qkv  # noqa: E402
 from tests import hf_checkpoints  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "decode"
@@ -95,21 +96,29 @@ def check_loading(workdir: Path) -> None:
             bytes_per_device[shard.device] = bytes_per_device.get(shard.device, 0) + shard.data.nbytes
     total = sum(leaf.nbytes for _, leaf in nnx_leaves(model))
     assert len(bytes_per_device) == 8 and max(bytes_per_device.values()) < 0.3 * total, (bytes_per_device, total)
-    # Dream-GQA at tp 4: 2 KV heads stored twice, each device one KV head; a converted checkpoint too.
+    # Dream-GQA at tp 4: 2 KV heads stored twice, each device one group of the fused qkv (2 query
+    # heads, then a copy of their KV head's k and v); a converted checkpoint (stored without copies) too.
     from convert import convert
 
     converted = convert(dirs["dream"], workdir / "dream-gqa-converted", dtype="float32")
+    ids = np.array([[5, 17, 33, 2, 90, 11, 3], [64, 8, 1, 2, 23, 99, 54]], np.int32)
     for src in (dirs["dream"], converted):
         dream = acache_jax.load(src, dtype="float32", mesh=make_mesh(4))
         assert dream.config.num_kv_heads == 4, dream.config
         check_sharded(dream, 4)
-        k = dream.params["layers"][0]["attn"]["k"]["kernel"][...]
-        assert [s.data.shape for s in k.addressable_shards] == [(64, 8)] * 4
         single = acache_jax.load(src, dtype="float32")
-        original = np.asarray(single.params["layers"][0]["attn"]["k"]["kernel"][...])
-        copies = np.asarray(k).reshape(64, 4, 8)
-        np.testing.assert_array_equal(copies[:, 1], original[:, :8])  # head 1 is a copy of head 0
-        np.testing.assert_array_equal(copies[:, 2], original[:, 8:])
+        for leaf in ("kernel", "bias"):
+            qkv = dream.params["layers"][0]["attn"]["qkv"][leaf][...]
+            assert [s.data.shape[-1] for s in qkv.addressable_shards] == [32] * 4, leaf
+            q, k, v = split_qkv(np.asarray(single.params["layers"][0]["attn"]["qkv"][leaf][...]), 2, 8)
+            for shard in qkv.addressable_shards:  # device r: query heads 2r, 2r+1, then KV head r // 2
+                r = shard.index[-1].start // 32
+                group = np.asarray(shard.data).reshape(*shard.data.shape[:-1], 4, 8)
+                queries = group[..., :2, :].reshape(*group.shape[:-2], -1)
+                np.testing.assert_array_equal(queries, q[..., r * 16:r * 16 + 16])
+                for i, part in ((2, k), (3, v)):
+                    np.testing.assert_array_equal(group[..., i, :], part[..., r // 2 * 8:r // 2 * 8 + 8])
+        np.testing.assert_allclose(np.asarray(dream.logits(ids)), np.asarray(single.logits(ids)), rtol=1e-5, atol=1e-5)
     pool = Engine(dream, DecodeConfig(gen_length=16, block_length=8, cache="dual"), pool_tokens=64, block_size=8
                   ).runner.pool.k[0]
     assert pool.sharding.spec[1] == "model" and {s.data.shape for s in pool.addressable_shards} == {(64, 1, 8)}
@@ -184,6 +193,36 @@ def collectives(text: str) -> list[tuple[str, str]]:
                       text)
 
 
+def check_fusion_is_local(workdir: Path) -> None:
+    """Loading's device programs on a mesh move no bytes between devices: the fusion of each fused
+    parameter from its placed parts (MHA LLaDA; Dream-GQA, split by KV head at tp 2 and with its KV
+    heads copied at tp 4) and the re-layout of a converted qkv leaf for the copies compile to no
+    collective."""
+    from acache_jax import sharding
+    from acache_jax.hf_checkpoint import key_map
+
+    for directory, tp in itertools.product((FIXTURES / "llada", dream_gqa(workdir)), (2, 4)):
+        mesh = make_mesh(tp)
+        cfg = ModelConfig.from_file(directory)
+        copies = sharding.kv_copies(cfg, tp)
+        entries = [e for e in key_map(cfg).values() if e.part is not None and e.path[1] == 0]
+        for path in dict.fromkeys(e.path for e in entries):
+            module = path[-2]
+            parts = [sharding.place_param(path, np.zeros(e.hf_shape, np.float32), cfg, mesh, np.float32,
+                                          transposed=e.transpose, part=e.part)
+                     for e in sorted((e for e in entries if e.path == path),
+                                     key=lambda e: sharding.FUSED_PARTS[module].index(e.part))]
+            fuse = sharding._fuse(module, cfg.num_kv_heads, cfg.head_dim, copies if module == "qkv" else 1,
+                                  sharding.param_sharding(mesh, path))
+            assert collectives(fuse.lower(*parts).compile().as_text()) == [], (directory.name, tp, path)
+            if module == "qkv" and copies > 1:  # a converted leaf: stored without copies, placed whole
+                stored = (*parts[0].shape[:-1], sum(p.shape[-1] for p in parts))
+                whole = jax.device_put(np.zeros(stored, np.float32), NamedSharding(mesh, jax.sharding.PartitionSpec()))
+                relayout = sharding._relayout(np.dtype(np.float32), False, copies, cfg.num_kv_heads, cfg.head_dim,
+                                              sharding.param_sharding(mesh, path))
+                assert collectives(relayout.lower(whole).compile().as_text()) == [], (directory.name, tp, path)
+
+
 def check_hlo(workdir: Path) -> None:
     """Tensor parallelism compiles to Megatron's collectives: per layer one all-reduce after attention
     and one after the MLP (+ one for the embedding lookup of the vocabulary-split table), and no
@@ -193,6 +232,7 @@ def check_hlo(workdir: Path) -> None:
     from acache_jax.model import ForwardInputs, _jit_forward
     from acache_jax.sharding import use_mesh
 
+    check_fusion_is_local(workdir)
     model = acache_jax.load(FIXTURES / "llada", dtype="float32", mesh=make_mesh(4))
     layers = model.config.num_layers
     whole = {tuple(leaf.shape) for _, leaf in nnx_leaves(model)}

@@ -15,6 +15,7 @@ from acache_jax.config import DecodeConfig, InputError
 from acache_jax.decode import decode_batch, generate
 from acache_jax.layout import Request, make_batch
 from acache_jax.model import ForwardInputs
+from acache_jax.sharding import split_parts
 
 AFFIX = list(range(30, 54))  # 24 tokens
 REQUESTS = [
@@ -124,20 +125,27 @@ def _oracle_importance(model, request):
     def proj(x, lin):
         return x @ lin["kernel"] + (lin["bias"] if "bias" in lin else 0)
 
+    def unfused(lin, module):
+        """The separate projections of a fused one: part name -> {"kernel": ..., "bias": ...}."""
+        leaves = {name: split_parts(module, leaf, cfg.num_kv_heads, cfg.head_dim) for name, leaf in lin.items()}
+        return {part: {name: leaves[name][part] for name in leaves} for part in leaves["kernel"]}
+
     def layer_forward(x, pos, layer, ext=None):
         """One block; ext = (k, v, positions) of external keys. Returns (x', rotated q, k, v)."""
         h = norm(x, layer["attn_norm"]["weight"])
         heads = lambda y, n: y.reshape(len(x), n, cfg.head_dim)
-        q = rope(heads(proj(h, layer["attn"]["q"]), cfg.num_heads), pos)
-        k, v = heads(proj(h, layer["attn"]["k"]), cfg.num_kv_heads), heads(proj(h, layer["attn"]["v"]), cfg.num_kv_heads)
+        qkv = unfused(layer["attn"]["qkv"], "qkv")
+        q = rope(heads(proj(h, qkv["q"]), cfg.num_heads), pos)
+        k, v = heads(proj(h, qkv["k"]), cfg.num_kv_heads), heads(proj(h, qkv["v"]), cfg.num_kv_heads)
         keys, values = rope(k, pos), v
         if ext is not None:
             keys, values = np.concatenate([rope(ext[0], ext[2]), keys]), np.concatenate([ext[1], values])
         att = softmax(np.einsum("qhd,khd->hqk", q, np.repeat(keys, group, 1)) * scale)
         x = x + proj(np.einsum("hqk,khd->qhd", att, np.repeat(values, group, 1)).reshape(len(x), -1), layer["attn"]["o"])
         m = norm(x, layer["mlp_norm"]["weight"])
-        gate = proj(m, layer["mlp"]["gate"])
-        return x + proj(gate / (1 + np.exp(-gate)) * proj(m, layer["mlp"]["up"]), layer["mlp"]["down"]), q, k, v
+        gate_up = unfused(layer["mlp"]["gate_up"], "gate_up")
+        gate = proj(m, gate_up["gate"])
+        return x + proj(gate / (1 + np.exp(-gate)) * proj(m, gate_up["up"]), layer["mlp"]["down"]), q, k, v
 
     a = p["embed"][np.asarray(AFFIX)]
     x = p["embed"][own]

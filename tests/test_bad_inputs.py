@@ -215,7 +215,7 @@ def test_corrupt_checkpoints(capsys, model_dir, tmp_path):
     weights["model.transformer.blocks.1.up_proj.weight"][3, 4] = np.nan
     save_file(weights, str(nan / "model.safetensors"))
     _one_line_error(*_cli(capsys, ["--model", nan, "--prompt-ids", "1,2", *FAST]),
-                    "parameters hold NaN or inf values: layers.1.mlp.up.kernel")
+                    "parameters hold NaN or inf values: layers.1.mlp.gate_up.kernel")
 
 
 def test_corrupt_tokenizer_is_named(capsys, tmp_path):

@@ -163,6 +163,7 @@ def test_the_host_only_reads_bytes_the_device_transposes_and_casts(tmp_path, mon
     import jax
 
     from acache_jax.hf_checkpoint import key_map
+    from acache_jax.sharding import split_parts
 
     weights = random_weights(cfg, seed=3)
     src = _hf(tmp_path, cfg, shards=2, weights=weights)
@@ -185,8 +186,44 @@ def test_the_host_only_reads_bytes_the_device_transposes_and_casts(tmp_path, mon
     for name, entry in key_map(model.config).items():
         want = weights[name].T if entry.transpose else weights[name]
         got = leaves[entry.path]
+        if entry.part is not None:  # one part of a fused parameter
+            got = split_parts(entry.path[-2], got, model.config.num_kv_heads, model.config.head_dim)[entry.part]
         assert got.dtype == np.dtype("bfloat16"), name
         np.testing.assert_array_equal(got, want.astype(np.dtype("bfloat16")), err_msg=name)
+
+
+@pytest.mark.parametrize("cfg,dtype", [(llada_config(n_kv_heads=2, include_qkv_bias=True), "float32"),
+                                       (dream_config(num_attention_heads=4, num_key_value_heads=2), "bfloat16")],
+                         ids=["llada-float32", "dream-bfloat16"])
+def test_snapshot_load_export_gives_back_the_same_tensors(tmp_path, cfg, dtype):
+    """HF snapshot -> load (q/k/v and gate/up fused on the device) -> export_hf (split back): every
+    tensor of the snapshot, byte for byte, under its own name (sharded source, GQA, biases)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    from acache_jax.hf_checkpoint import export_hf
+
+    weights = {k: w.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
+               for k, w in random_weights(cfg, seed=4).items()}
+    src = _hf(tmp_path, cfg, shards=3, weights=weights)
+    model = acache_jax.load(src)
+    assert model.dtype == np.dtype(dtype)
+    export_hf(tmp_path / "exported", model.config, model.params, dtype=dtype)
+    exported = load_file(str(tmp_path / "exported" / "model.safetensors"))
+    assert sorted(exported) == sorted(weights)
+    for name, tensor in weights.items():
+        assert exported[name].dtype == tensor.dtype and exported[name].tobytes() == tensor.tobytes(), name
+
+
+def test_a_converted_checkpoint_of_format_1_is_refused_by_name(tmp_path):
+    """Format 1 stored q/k/v and gate/up apart; loading one says to convert again."""
+    dst = convert(_hf(tmp_path, llada_config()), tmp_path / "converted", dtype="float32")
+    marker = json.loads((dst / "acache.json").read_text())
+    assert marker["format"] == 2
+    (dst / "acache.json").write_text(json.dumps({**marker, "format": 1}))
+    with pytest.raises(CheckpointError, match=r"written by an older version of acache-jax \(checkpoint format 1; "
+                                              r".*convert the model again from its HF snapshot"):
+        acache_jax.load(dst)
 
 
 @pytest.mark.parametrize("stored", [np.int32, np.bool_, np.int8])

@@ -82,3 +82,46 @@ def test_a_program_traces_and_lowers_the_layers_once(fixtures_dir):
     assert len(re.findall(r"func\.func private @_block_forward\w*\(", text)) == 1
     assert len(re.findall(r"call @_block_forward\w*\(", text)) == model.config.num_layers >= 2
     assert " call(" not in lowered.compile().as_text()  # inlined
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_fused_projections_compute_the_separate_ones(family):
+    """A block whose qkv and gate_up weights are fused from separate random q, k, v (with biases),
+    gate and up weights gives, in float32, what the separate matmuls give (the network before the
+    fusion): its K and V, and its output through attention (query head h reading KV head h // G) and
+    the MLP. Tolerance 1e-5: the fused matmul may sum in another order."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from acache_jax.attention import attend_dense
+    from acache_jax.config import ModelConfig
+    from acache_jax.model import ForwardInputs, Transformer
+    from acache_jax.sharding import fuse_gate_up, fuse_qkv
+    from tests.hf_checkpoints import dream_config, llada_config
+
+    hf = llada_config(n_kv_heads=2, include_qkv_bias=True) if family == "llada" else dream_config()
+    cfg = ModelConfig.from_hf(hf)
+    d, hd, kv, f = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.intermediate_size
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(0.2 * rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    wq, wk, wv = normal(d, cfg.num_heads * hd), normal(d, kv * hd), normal(d, kv * hd)
+    bq, bk, bv = normal(cfg.num_heads * hd), normal(kv * hd), normal(kv * hd)
+    wg, wu = normal(d, f), normal(d, f)
+    block = Transformer(cfg, rngs=nnx.Rngs(0)).layers[0]
+    block.attn.qkv.kernel[...] = fuse_qkv(wq, wk, wv, kv, hd)
+    block.attn.qkv.bias[...] = fuse_qkv(bq, bk, bv, kv, hd)
+    block.mlp.gate_up.kernel[...] = fuse_gate_up(wg, wu)
+    x, positions = normal(2, 6, d), jnp.broadcast_to(jnp.arange(6), (2, 6))
+    out, k, v, _, _ = block(x, ForwardInputs(positions), "xla")
+
+    h = block.attn_norm(x)
+    heads = lambda y: y.reshape(2, 6, -1, hd)  # noqa: E731
+    q_sep, k_sep, v_sep = heads(h @ wq + bq), heads(h @ wk + bk), heads(h @ wv + bv)
+    attended = attend_dense(q_sep, k_sep, v_sep, positions, jnp.ones((2, 6), bool), cfg.rope_theta, "xla")
+    x = x + attended.reshape(2, 6, -1) @ block.attn.o.kernel[...]
+    m = block.mlp_norm(x)
+    want = x + (jax.nn.silu(m @ wg) * (m @ wu)) @ block.mlp.down.kernel[...]
+    np.testing.assert_allclose(k, k_sep, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(v, v_sep, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,8 @@ from flax import nnx
 
 from acache_jax.config import ModelConfig
 from acache_jax.model import abstract_transformer
-from acache_jax.sharding import MeshError, check_mesh, kv_copies, make_mesh, param_axes, repeat_kv_heads
+from acache_jax.sharding import (MeshError, check_mesh, fuse_gate_up, fuse_parts, fuse_qkv, kv_copies, make_mesh,
+                                 param_axes, repeat_kv_heads, split_gate_up, split_parts, split_qkv)
 from tests import hf_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,6 +98,9 @@ def test_param_axes_cover_every_parameter():
             keys = tuple(k.key for k in path)
             assert len(param_axes(keys)) == leaf.ndim, keys
     assert param_axes(("layers", 0, "attn", "o", "kernel")) == ("heads", "embed")
+    assert param_axes(("layers", 0, "attn", "qkv", "kernel")) == ("embed", "kv_heads")
+    assert param_axes(("layers", 0, "attn", "qkv", "bias")) == ("kv_heads",)
+    assert param_axes(("layers", 0, "mlp", "gate_up", "kernel")) == ("embed", "mlp")
     assert param_axes(("lm_head", "kernel")) == ("embed", "vocab")
 
 
@@ -107,6 +111,49 @@ def test_kv_heads_are_copied_in_order():
     out = np.asarray(repeat_kv_heads(kernel, 2, 8, 2)).reshape(3, 4, 8)
     assert (out[:, 0] == out[:, 1]).all() and (out[:, 1] == kernel[:, :8]).all() and (out[:, 2] == kernel[:, 8:]).all()
     assert repeat_kv_heads(kernel, 2, 8, 1) is kernel
+
+
+@pytest.mark.parametrize("copies", [1, 2, 4])
+def test_qkv_layout_round_trips_and_groups_query_heads_with_their_kv_head(copies):
+    """fuse_qkv -> split_qkv gives q back and k, v with each KV head `copies` times (repeat_kv_heads);
+    group j of the fused columns holds query heads j*G .. j*G+G-1, then k and v of checkpoint KV head
+    j // copies, which is the KV head those query heads read (h // (heads / kv_heads)); tp = the
+    groups' count splits the columns into whole groups."""
+    heads, kv, hd, d = 8, 2, 4, 3
+    rng = np.random.default_rng(copies)
+    q, k, v = (rng.standard_normal((d, n * hd)).astype(np.float32) for n in (heads, kv, kv))
+    groups, per_group = kv * copies, heads // (kv * copies)
+    fused = np.asarray(fuse_qkv(q, k, v, kv, hd, copies))
+    assert fused.shape == (d, groups * (per_group + 2) * hd)
+    back = split_qkv(fused, groups, hd)
+    for got, want in zip(back, (q, repeat_kv_heads(k, kv, hd, copies), repeat_kv_heads(v, kv, hd, copies))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    head = lambda a, i: a[:, i * hd:(i + 1) * hd]  # noqa: E731
+    for device, columns in enumerate(np.split(fused, groups, axis=1)):  # tp = groups: one group a device
+        group = columns.reshape(d, per_group + 2, hd)
+        for g in range(per_group):
+            h = device * per_group + g
+            np.testing.assert_array_equal(group[:, g], head(q, h))
+            np.testing.assert_array_equal(group[:, per_group], head(k, h // (heads // kv)))
+            np.testing.assert_array_equal(group[:, per_group + 1], head(v, h // (heads // kv)))
+    bias = [rng.standard_normal(n * hd).astype(np.float32) for n in (heads, kv, kv)]
+    np.testing.assert_array_equal(np.asarray(split_qkv(np.asarray(fuse_qkv(*bias, kv, hd)), kv, hd)[0]), bias[0])
+    parts = split_parts("qkv", np.asarray(fuse_parts("qkv", (q, k, v), kv, hd)), kv, hd)
+    assert list(parts) == ["q", "k", "v"] and all(np.array_equal(parts[n], a) for n, a in zip("qkv", (q, k, v)))
+
+
+def test_gate_up_layout_round_trips_in_whole_pairs():
+    gate, up = np.arange(12.0).reshape(2, 6), -np.arange(12.0).reshape(2, 6)
+    fused = np.asarray(fuse_gate_up(gate, up))
+    assert fused.shape == (2, 12)
+    np.testing.assert_array_equal(fused[:, 0::2], gate)  # columns in (gate_f, up_f) pairs
+    np.testing.assert_array_equal(fused[:, 1::2], up)
+    for tp in (1, 2, 3, 6):  # each device's columns are the gate and up of the same hidden units
+        for r, columns in enumerate(np.split(fused, tp, axis=1)):
+            units = slice(r * 6 // tp, (r + 1) * 6 // tp)
+            np.testing.assert_array_equal(np.stack(split_gate_up(columns)), np.stack([gate[:, units], up[:, units]]))
+    parts = split_parts("gate_up", fused, 1, 1)
+    assert list(parts) == ["gate", "up"] and np.array_equal(parts["gate"], gate) and np.array_equal(parts["up"], up)
 
 
 def test_bad_meshes_are_named():
