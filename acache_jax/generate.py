@@ -333,14 +333,44 @@ def _sigint_deferred() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+@contextlib.contextmanager
+def _sigint_remembered() -> Iterator[list[int]]:
+    """Ctrl-C raises KeyboardInterrupt as Python's own handler does, and is also remembered (the
+    list yielded): one that lands inside a garbage-collection callback or a __del__ is printed and
+    swallowed by Python ("Exception ignored in ..."), and the run would go on to its end as if
+    never interrupted. The loops check the list between windows and steps (`_Output.put`,
+    `_stop_if_interrupted`). A run started with SIGINT ignored (a background job) keeps ignoring it."""
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield caught
+        return
+
+    def interrupt(signum, frame):
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield caught
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stop_if_interrupted(caught: list[int]) -> None:
+    if caught:
+        raise KeyboardInterrupt
+
+
 class _Output:
     """Prints results in input order as soon as each and all earlier ones are done (flushed)."""
 
-    def __init__(self, model: Model, as_json: bool):
+    def __init__(self, model: Model, as_json: bool, interrupts: list[int] | None = None):
         self.model, self.as_json = model, as_json
         self.done, self._pending = 0, {}
+        self.interrupts = [] if interrupts is None else interrupts  # Ctrl-Cs seen (`_sigint_remembered`)
 
     def put(self, i: int, row: dict[str, Any]) -> None:
+        _stop_if_interrupted(self.interrupts)
         self._pending[i] = row
         while self.done in self._pending:
             with _sigint_deferred():  # no torn line, and `done` counts exactly what is out
@@ -377,6 +407,7 @@ def _run_static(model: Model, jobs: list[_Job], batch_size: int, out: _Output) -
     window = WINDOW_BATCHES * batch_size
     for begin in range(0, len(jobs), window):
         for (config, affix), members in _groups(list(enumerate(jobs))[begin:begin + window]).items():
+            _stop_if_interrupted(out.interrupts)
             shared = None
             if affix is not None:
                 shared = caches.get(affix) if config.selective else list(affix)
@@ -396,6 +427,7 @@ def _run_engine(model: Model, jobs: list[_Job], args: argparse.Namespace, out: _
         engine = Engine(model, config, pool_tokens=args.pool_tokens, max_batch=min(args.batch_size, len(members)))
         ids = {engine.add(job.request, job.affix): i for i, job in members}
         while engine.has_unfinished():
+            _stop_if_interrupted(out.interrupts)
             for res in engine.step():
                 out.put(ids[res.request_id], _row(model, config, res.tokens, res.nfe, res.anchors, forward_tokens=None,
                                                   seconds=round(engine.stats.seconds, 4),
@@ -421,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
             initialize_distributed()
         model = load(args.model or DEFAULT_MODEL, dtype=args.dtype, mesh=_mesh(args))
         jobs = _jobs(model, args)
-        out = _Output(model, args.json)
-        with compile_cache.note_long_compiles():
+        with _sigint_remembered() as interrupts, compile_cache.note_long_compiles():
+            out = _Output(model, args.json, interrupts)
             if args.engine:
                 _run_engine(model, jobs, args, out)
             else:

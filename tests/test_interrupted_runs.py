@@ -96,6 +96,30 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_cli():
+    """Python prints and swallows an exception raised inside a __del__ or a garbage-collection
+    callback (jax runs one at every collection): a Ctrl-C landing there must still stop the CLI's
+    loops at their next check, as the one a run once finished despite (exit 0 after SIGINT)."""
+    from acache_jax.generate import _sigint_remembered, _stop_if_interrupted
+
+    class Finalized:
+        def __del__(self):
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the handler, run where Python runs it
+
+    before = signal.getsignal(signal.SIGINT)
+    swallowed = []
+    hook, sys.unraisablehook = sys.unraisablehook, swallowed.append
+    try:
+        with _sigint_remembered() as interrupts:
+            Finalized()  # the KeyboardInterrupt raised in __del__ goes to the unraisable hook
+            assert [type(u.exc_value) for u in swallowed] == [KeyboardInterrupt]
+            with pytest.raises(KeyboardInterrupt):
+                _stop_if_interrupted(interrupts)
+    finally:
+        sys.unraisablehook = hook
+    assert signal.getsignal(signal.SIGINT) is before
+
+
 def test_interrupted_generate_keeps_what_it_finished(tmp_path, fixtures_dir):
     """Ctrl-C on a long --input run: every finished answer is already on stdout, in input order, and
     one line says how many."""
