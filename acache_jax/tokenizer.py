@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -75,12 +76,64 @@ def load_tokenizer(path: str | Path) -> Any | None:
     path = Path(path)
     if (path / "tokenizer.json").is_file():
         tokenizer = _load_fast(path)
-    elif (path / "vocab.json").is_file() or (path / "merges.txt").is_file():
+    elif ships_tokenizer(path):
         tokenizer = _load_byte_level_bpe(path)
     else:
         return None
     _drop_unusable_chat_template(tokenizer)
     return tokenizer
+
+
+def ships_tokenizer(path: str | Path) -> bool:
+    """Whether directory `path` holds the files `load_tokenizer` builds a tokenizer from."""
+    return any((Path(path) / name).is_file() for name in ("tokenizer.json", "vocab.json", "merges.txt"))
+
+
+class LoadingTokenizer:
+    """The tokenizer of a model directory, loading on a thread (`load_tokenizer`): every attribute
+    and call goes to the tokenizer, the first waiting until it is loaded (and raising its
+    TokenizerError). `acache_jax.load` starts it once the weights are placed. Loading it beside the
+    weights put importing transformers (seconds of Python) on load's critical path: in an 8B load
+    on an H200 the tokenizer thread took 6.9 s against 3.8 s for the weights (docs/BENCHMARKS.md,
+    fifth real-scale run). Now a run given token ids waits for it only for the answer's text, after
+    decoding, and a run given text waits where it first tokenizes."""
+
+    def __init__(self, path: str | Path):
+        self._path = Path(path)
+        self._done = threading.Event()
+        self._tokenizer: Any = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._load, name="load-tokenizer", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            self._tokenizer = load_tokenizer(self._path)
+        except BaseException as e:  # raised to whoever first uses the tokenizer
+            self._error = e
+        finally:
+            self._done.set()
+
+    def loaded(self) -> Any:
+        """The tokenizer, once loaded."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loaded(), name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.loaded()(*args, **kwargs)
+
+    def __len__(self) -> int:  # special methods are looked up on the class, not through __getattr__
+        return len(self.loaded())
+
+
+def loaded_tokenizer(tokenizer: Any) -> Any:
+    """`tokenizer` itself, or a LoadingTokenizer's once loaded: where a load error must surface
+    now (a server checks its model's tokenizer before it listens)."""
+    return tokenizer.loaded() if isinstance(tokenizer, LoadingTokenizer) else tokenizer
 
 
 def _drop_unusable_chat_template(tokenizer: Any) -> None:

@@ -219,9 +219,21 @@ def test_corrupt_checkpoints(capsys, model_dir, tmp_path):
 
 
 def test_corrupt_tokenizer_is_named(capsys, tmp_path):
+    """The tokenizer loads on a thread after the weights (LoadingTokenizer): a damaged tokenizer.json
+    is named where the tokenizer is first used, by the CLI as one error line and by the server
+    before it listens; the weights load without waiting for it."""
     shipped = _copy(ROOT / "acache_jax" / "models" / "llada-small", tmp_path / "m")
     (shipped / "tokenizer.json").write_text('{"model": ')
     _one_line_error(*_cli(capsys, ["--model", shipped, "--prompt", "hello"]), "tokenizer.json")
+    model = acache_jax.load(shipped)
+    assert model.tokenizer is not None
+    with pytest.raises(InputError, match="tokenizer.json"):
+        model.encode("hello")
+    from acache_jax.serve.cli import main as serve_main
+
+    assert serve_main(["--model", str(shipped), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "tokenizer.json" in err, err
 
 
 def test_api_misuse(model, model_dir):

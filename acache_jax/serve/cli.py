@@ -27,6 +27,7 @@ from acache_jax.config import ATTENTION_BACKENDS, InputError
 from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
 from acache_jax.kv import KVPool
 from acache_jax.serve.limits import Lifecycle, Limits, graceful_server, header_timeout_protocol
+from acache_jax.tokenizer import loaded_tokenizer
 
 if TYPE_CHECKING:
     import uvicorn
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     compile_cache.enable(args.compile_cache)  # before the first compile: the warm-up's programs are kept
     try:
         model = load(args.model or DEFAULT_MODEL, dtype=args.dtype)
+        loaded_tokenizer(model.tokenizer)  # a damaged tokenizer file is an error now, not at a first request
         fields = {k: getattr(args, k) for k in ("gen_length", "block_length", "threshold", "steps", "anchor_ratio")
                   if hasattr(args, k)}
         base = model.decode_config(**fields, cache=args.cache, early_stop=args.early_stop, attn_backend=args.backend)
