@@ -68,3 +68,10 @@ LONG_FILES = ("test_soak.py", "test_engine.py", "test_acache.py", "test_sharding
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker more than the cores (at most --maxprocesses). Many tests wait on
+    processes of their own (servers, CLI runs, the mesh checks' eight-device subprocesses), and a
+    worker waiting leaves its core idle: on the 2-core CI machine three workers keep both busy."""
+    return (os.cpu_count() or 1) + 1
