@@ -32,7 +32,7 @@ from acache_jax.files import partial_name, remove_stale_partials
 from acache_jax.hf_checkpoint import CheckpointError, Entry, iter_tensors, stored_dtype
 from acache_jax.model import Model, abstract_transformer
 from acache_jax.sharding import FUSED_PARTS, fuse_param, is_qkv, kv_copies, param_sharding, place_param, sharded_config
-from acache_jax.tokenizer import TOKENIZER_FILES, LoadingTokenizer, ships_tokenizer
+from acache_jax.tokenizer import TOKENIZER_FILES, LazyTokenizer, ships_tokenizer
 
 FORMAT_FILE = "acache.json"
 FORMAT_VERSION = 2  # 1: q/k/v and gate/up stored apart (before the fused projections); not read
@@ -321,9 +321,8 @@ def load(path: str | Path, dtype: Any | None = None, mesh: Mesh | None = None) -
     than the tensor-parallel size, the KV heads are copied (acache_jax/sharding.py).
     An HF directory is converted in memory, one tensor at a time. The directory's
     generation_config.json (if any) becomes the model's generation defaults. The tokenizer (if the
-    directory ships one) loads on a thread once the weights are placed: `model.tokenizer` waits for
-    it at its first use, where a damaged tokenizer file raises its TokenizerError
-    (acache_jax.tokenizer.LoadingTokenizer).
+    directory ships one) is loaded at its first use, where a damaged tokenizer file raises its
+    TokenizerError (acache_jax.tokenizer.LazyTokenizer).
     The first load turns on JAX's persistent compilation cache in the user's cache directory, unless
     jax's own cache is configured or ACACHE_JAX_COMPILE_CACHE=off (acache_jax/compile_cache.py).
     """
@@ -346,7 +345,6 @@ def load(path: str | Path, dtype: Any | None = None, mesh: Mesh | None = None) -
     graphdef, state = nnx.split(abstract_transformer(placed_cfg, tree["embed"].dtype))
     nnx.replace_by_pure_dict(state, tree)
     source = path / GENERATION_CONFIG_FILE
-    # The tokenizer loads on a thread from here on, and is waited for where it is first used.
-    tokenizer = LoadingTokenizer(path) if ships_tokenizer(path) else None
+    tokenizer = LazyTokenizer(path) if ships_tokenizer(path) else None  # loaded where first used
     return Model(placed_cfg, graphdef, state, tokenizer, generation, eos_ids, mesh,
                  source if source.is_file() else None)

@@ -89,36 +89,27 @@ def ships_tokenizer(path: str | Path) -> bool:
     return any((Path(path) / name).is_file() for name in ("tokenizer.json", "vocab.json", "merges.txt"))
 
 
-class LoadingTokenizer:
-    """The tokenizer of a model directory, loading on a thread (`load_tokenizer`): every attribute
-    and call goes to the tokenizer, the first waiting until it is loaded (and raising its
-    TokenizerError). `acache_jax.load` starts it once the weights are placed. Loading it beside the
-    weights put importing transformers (seconds of Python) on load's critical path: in an 8B load
-    on an H200 the tokenizer thread took 6.9 s against 3.8 s for the weights (docs/BENCHMARKS.md,
-    fifth real-scale run). Now a run given token ids waits for it only for the answer's text, after
-    decoding, and a run given text waits where it first tokenizes."""
+class LazyTokenizer:
+    """The tokenizer of a model directory, loaded (`load_tokenizer`) at its first use: every
+    attribute and call goes to the tokenizer, the first loading it on the calling thread (and
+    raising its TokenizerError). Loading it on a thread beside the weights put importing
+    transformers (seconds of Python) on `acache_jax.load`'s critical path: in an 8B load on an H200
+    that thread took 6.9 s against 3.8 s for the weights (docs/BENCHMARKS.md, fifth real-scale run).
+    Loading it on a thread after `load` returned raced the caller's own imports (`datasets` read a
+    half-imported transformers module). So a run given token ids loads it only for the answer's
+    text, and a run given text where it first tokenizes."""
 
     def __init__(self, path: str | Path):
         self._path = Path(path)
-        self._done = threading.Event()
+        self._lock = threading.Lock()
         self._tokenizer: Any = None
-        self._error: BaseException | None = None
-        threading.Thread(target=self._load, name="load-tokenizer", daemon=True).start()
-
-    def _load(self) -> None:
-        try:
-            self._tokenizer = load_tokenizer(self._path)
-        except BaseException as e:  # raised to whoever first uses the tokenizer
-            self._error = e
-        finally:
-            self._done.set()
 
     def loaded(self) -> Any:
-        """The tokenizer, once loaded."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._tokenizer
+        """The tokenizer, loaded by the first call."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self._path)
+            return self._tokenizer
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loaded(), name)
@@ -131,9 +122,9 @@ class LoadingTokenizer:
 
 
 def loaded_tokenizer(tokenizer: Any) -> Any:
-    """`tokenizer` itself, or a LoadingTokenizer's once loaded: where a load error must surface
-    now (a server checks its model's tokenizer before it listens)."""
-    return tokenizer.loaded() if isinstance(tokenizer, LoadingTokenizer) else tokenizer
+    """`tokenizer` itself, or a LazyTokenizer's, loaded now: where a load error must surface now
+    (a server checks its model's tokenizer before it listens)."""
+    return tokenizer.loaded() if isinstance(tokenizer, LazyTokenizer) else tokenizer
 
 
 def _drop_unusable_chat_template(tokenizer: Any) -> None:

@@ -219,9 +219,9 @@ def test_corrupt_checkpoints(capsys, model_dir, tmp_path):
 
 
 def test_corrupt_tokenizer_is_named(capsys, tmp_path):
-    """The tokenizer loads on a thread after the weights (LoadingTokenizer): a damaged tokenizer.json
-    is named where the tokenizer is first used, by the CLI as one error line and by the server
-    before it listens; the weights load without waiting for it."""
+    """The tokenizer is loaded at its first use (LazyTokenizer): a damaged tokenizer.json is named
+    there, by the CLI as one error line and by the server before it listens; the weights load
+    without it."""
     shipped = _copy(ROOT / "acache_jax" / "models" / "llada-small", tmp_path / "m")
     (shipped / "tokenizer.json").write_text('{"model": ')
     _one_line_error(*_cli(capsys, ["--model", shipped, "--prompt", "hello"]), "tokenizer.json")
