@@ -249,10 +249,9 @@ def place_param(path: Sequence[Any], array: np.ndarray | jax.Array, cfg: ModelCo
 def fuse_param(path: Sequence[Any], parts: Sequence[jax.Array], cfg: ModelConfig, mesh: Mesh | None) -> jax.Array:
     """The fused parameter at `path` built on the device from its parts (FUSED_PARTS order) as
     `place_param` placed them, with its sharding on `mesh`; `cfg` is the checkpoint's."""
-    module = str(path[-2])
-    copies = kv_copies(cfg, tensor_parallel_size(mesh)) if module == "qkv" else 1
+    copies = kv_copies(cfg, tensor_parallel_size(mesh)) if is_qkv(path) else 1
     target = None if mesh is None else param_sharding(mesh, path)
-    return _call(_fuse(module, cfg.num_kv_heads, cfg.head_dim, copies, target), *parts)
+    return _call(_fuse(str(path[-2]), cfg.num_kv_heads, cfg.head_dim, copies, target), *parts)
 
 
 def _call(program: Any, *arrays: jax.Array) -> jax.Array:

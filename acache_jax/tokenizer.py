@@ -74,12 +74,9 @@ def load_tokenizer(path: str | Path) -> Any | None:
     Raises TokenizerError, naming the file, for a corrupt or inconsistent tokenizer file.
     """
     path = Path(path)
-    if (path / "tokenizer.json").is_file():
-        tokenizer = _load_fast(path)
-    elif ships_tokenizer(path):
-        tokenizer = _load_byte_level_bpe(path)
-    else:
+    if not ships_tokenizer(path):
         return None
+    tokenizer = _load_fast(path) if (path / "tokenizer.json").is_file() else _load_byte_level_bpe(path)
     _drop_unusable_chat_template(tokenizer)
     return tokenizer
 
