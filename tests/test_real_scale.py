@@ -27,3 +27,16 @@ def test_real_scale_runs_each_entry_point_and_reads_the_cache_back(tmp_path):
         assert cold["cache_hits"] == 0 and warm["cache_hits"] > 0 and warm["program_s"] < cold["program_s"]
     assert all(rows[name]["load_s"] > 0 and rows[name]["backend_s"] >= 0 for name in rows if name.startswith("load "))
     assert "| generate, warm cache |" in run.stdout  # the table
+
+
+def test_bench_load_times_every_variant_on_a_snapshot(tmp_path):
+    """eval.bench_load (the load breakdown in docs/BENCHMARKS.md) runs as documented, on a CPU."""
+    from eval.hf_snapshot import write_snapshot
+
+    write_snapshot(tmp_path / "snap", "llada", layers=1, hidden=128)
+    run = subprocess.run([sys.executable, "-m", "eval.bench_load", str(tmp_path / "snap")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    for line in ("read/16MiB again", "acache_jax.load #1 (as is)", "_read_hf", "_check_finite",
+                 "acache_jax.load pinned staging, threads 8", "put/mmap threads=8", "chunked/put threads=16"):
+        assert line in run.stdout, (line, run.stdout)
