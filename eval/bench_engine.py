@@ -1,6 +1,7 @@
 """The serving engine, Fast-dLLM dual-cache baseline vs ACache side by side (the paper's tables 1-4).
 
-    python -m eval.bench_engine [--models llada,dream] [--batches 1,4,16] [--shots 1,2,4] [--repeats 3] [--meshes none,1x1] [--cprofile N] [--out DIR]
+    python -m eval.bench_engine [--models llada,dream] [--batches 1,4,16] [--shots 1,2,4] [--repeats 3] [--meshes none,1x1]
+                                [--max-step-tokens N] [--cprofile N] [--out DIR]
 
 LLaDA-8B and Dream-7B shapes with random bf16 weights; per (model, shots, batch) both policies
 decode the same requests with the same weights: `batch` requests of a shared prefix affix of
@@ -120,10 +121,15 @@ def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[i
     return affix, requests, pool_tokens, configs
 
 
+def new_engine(model, config: DecodeConfig, pool_tokens: int, batch: int, args, observer=None) -> Engine:
+    return Engine(model, config, pool_tokens=pool_tokens, max_batch=batch, observer=observer,
+                  max_step_tokens=getattr(args, "max_step_tokens", None))
+
+
 def warm(model, shots: int, batch: int, policy: str, args) -> None:
     """Compile a case's programs: one whole run (every iteration's shapes)."""
     affix, requests, pool_tokens, configs = case_configs(model.config, shots, batch, args)
-    Engine(model, configs[policy], pool_tokens=pool_tokens, max_batch=batch).generate(requests, affix)
+    new_engine(model, configs[policy], pool_tokens, batch, args).generate(requests, affix)
 
 
 def run_case(model, name: str, shots: int, batch: int, args) -> dict:
@@ -135,7 +141,7 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
         runs = []
         for _ in range(args.repeats):
             recorder = Recorder()
-            engine = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch, observer=recorder)
+            engine = new_engine(model, dcfg, pool_tokens, batch, args, observer=recorder)
             with collector_pauses() as pauses:
                 results = engine.generate(requests, affix)
             runs.append((engine, results, sum(pauses), recorder))
@@ -145,12 +151,12 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
         host_shares = [e.stats.host_seconds / e.stats.seconds for e, *_ in runs]
         flops, model_s = forward_costs(cfg, recorder.work)
         timings = Recorder(timed=True)
-        profiled = Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch, observer=timings)
+        profiled = new_engine(model, dcfg, pool_tokens, batch, args, observer=timings)
         profiled.generate(requests, affix)
         prof = profiled.stats.summary() | timings.medians()
         if args.cprofile:
             print(f"{name} {shots}-shot B{batch} {policy}: host profile of a plain run", flush=True)
-            host_profile(lambda: Engine(model, dcfg, pool_tokens=pool_tokens, max_batch=batch).generate(requests, affix),
+            host_profile(lambda: new_engine(model, dcfg, pool_tokens, batch, args).generate(requests, affix),
                          args.cprofile)
         probe_s = sum(t for kind, t in timings.packed if kind == "probe")
         row[policy] = dict(recompute_ms=1e3 * prof.get("recompute_median_s", 0.0),
@@ -236,6 +242,8 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-s", type=float, default=None, help="time for compiling (default: half the budget)")
     ap.add_argument("--meshes", default="none", type=parse_meshes,
                     help="each model under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1 (rows model@tp1dp1)")
+    ap.add_argument("--max-step-tokens", type=int, default=None,
+                    help="the engines' bound on one step's tokens (default: none); outputs do not change")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs per case and policy (the median is reported)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also run each case under cProfile and print its N functions of most own time")

@@ -283,3 +283,40 @@ def test_bucketed_affix_caches_share_their_programs(model):
     static = generate(model, REQUESTS, cfg, affix=AFFIX)
     assert [r.tokens.tolist() for r in results[0]] == [t.tolist() for t in static.tokens]
     assert [r.anchors.tolist() for r in results[0]] == [a.tolist() for a in static.anchors]
+
+
+class _Tokens:
+    """A runner observer that keeps the tokens of each forward (padding excluded)."""
+
+    timed = False
+
+    def __init__(self):
+        self.tokens = []
+
+    def forward(self, tokens, token_keys, logit_rows):
+        self.tokens.append(tokens)
+
+    def call(self, kind, steps, seconds):
+        pass
+
+
+def test_a_step_token_bound_splits_the_work_and_changes_no_token(fixtures_dir):
+    """Engine(max_step_tokens=): no packed forward computes more (each of these requests fits with
+    every mid-block row beside it), the first step's four probes (92 tokens) are split over steps, and
+    every request decodes exactly as the static path decodes it."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
+    static = generate(model, REQUESTS, cfg, affix=AFFIX)
+    seen = {}
+    for bound in (None, 64):
+        seen[bound] = _Tokens()
+        engine = Engine(model, cfg, pool_tokens=400, block_size=8, max_batch=4, observer=seen[bound],
+                        max_step_tokens=bound, **FIXED)
+        for i, res in enumerate(engine.generate(REQUESTS, AFFIX)):
+            assert res.tokens.tolist() == static.tokens[i].tolist(), (bound, i)
+            assert res.anchors.tolist() == static.anchors[i].tolist() and res.nfe == static.nfe[i]
+        assert engine.usage().blocks_in_use == 0
+    assert seen[None].tokens[0] == 92 and max(seen[None].tokens) > 64
+    assert max(seen[64].tokens) <= 64 and len(seen[64].tokens) > len(seen[None].tokens)
+    with pytest.raises(DecodeError, match="max_step_tokens must be a positive integer"):
+        Engine(model, cfg, max_step_tokens=0)

@@ -206,6 +206,30 @@ def test_max_batch_bounds_the_running_set_and_the_plan_sorts_the_work():
     assert plan.recompute == [base[1], probed] and plan.decode == [base[0]] and plan.fills == []
 
 
+def test_a_step_token_bound_runs_the_longest_waiting_first_and_never_starves_one():
+    """Scheduler(max_step_tokens=): mid-block rows, then the request waiting longest (always, even
+    over the bound), then the others that fit, in the order they became ready: one passed over goes
+    before one that became ready after it."""
+    sched = Scheduler(BlockManager(100, 4), max_batch=4, max_step_tokens=24)
+    seqs = [_seq(i, left=3 + 6 * (i == 1), policy="baseline") for i in range(3)]  # 11, 17, 11 tokens
+    for s in seqs:
+        sched.add(s, 0)
+    plan = sched.schedule(MASK)
+    assert plan.recompute == [seqs[0], seqs[2]] and plan.decode == []  # 11 + 17 > 24: the second waits
+    seqs[2].needs_recompute = False
+    seqs[0].ready_since = sched._iteration  # as postprocess marks a request at its next block start
+    plan = sched.schedule(MASK)  # ready since: the second before the first
+    assert plan.decode == [seqs[2]] and plan.recompute == [seqs[1]]  # 4 (a block) + 17 fit; + 11 does not
+    seqs[1].needs_recompute = False
+    plan = sched.schedule(MASK)
+    assert plan.decode == seqs[1:] and plan.recompute == [seqs[0]]  # 8 + 11
+    lone = Scheduler(BlockManager(100, 4), max_batch=2, max_step_tokens=5)
+    lone.add(big := _seq(9, left=20, policy="baseline"), 0)
+    assert lone.schedule(MASK).recompute == [big]  # 28 tokens: over the bound, but the longest waiting
+    with pytest.raises(ValueError, match="max_step_tokens must be positive"):
+        Scheduler(BlockManager(10, 4), max_batch=2, max_step_tokens=0)
+
+
 def test_a_request_that_can_never_fit_is_rejected_clearly():
     bm = BlockManager(num_blocks=6, block_size=4)
     sched = Scheduler(bm, max_batch=4)

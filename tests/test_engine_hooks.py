@@ -69,7 +69,7 @@ def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
 def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
     """`serve --warmup-tokens`: the worker compiles, before any request, the engine that a request
     with the server's default knobs runs on (its key holds one block, not the default gen length),
-    so serving it compiles no packed step or block loop."""
+    so serving it compiles no packed step or block loop; its steps are bounded to that many tokens."""
     from acache_jax.generate import DEFAULT_MODEL
     from acache_jax.serve.protocol import engine_config, parse
     from acache_jax.serve.worker import Settings, Worker
@@ -92,6 +92,7 @@ def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
         compiled = {r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")}
         assert not compiled & {"jit(packed_step)", "jit(block_loop)"}, compiled
         assert list(worker.engines) == [engine_config(base)]
+        assert worker.engines[engine_config(base)].scheduler.max_step_tokens == 128  # steps stay warmed up
     finally:
         jax.config.update("jax_log_compiles", False)
         worker.stop()

@@ -119,14 +119,17 @@ class Engine:
     most, the model's context); a longer request is refused. It sizes the default pool (max_batch x
     context) and the fixed shapes' read widths: a model whose context is far longer than its
     requests (Dream's 131072 tokens) would otherwise get a pool and programs for that length.
+    max_step_tokens: the most tokens one iteration's packed forward computes (None: no bound), which
+    bounds its activations: probes and block starts beyond it wait for a later iteration
+    (`Scheduler.schedule`; the oldest waiting one always runs). Outputs do not depend on it.
     """
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
                  block_size: int = 16, max_batch: int = 16, observer: Observer | None = None,
-                 fixed_shapes: bool = False, context: int | None = None):
+                 fixed_shapes: bool = False, context: int | None = None, max_step_tokens: int | None = None):
         config = resolve_decode_config(config, model.generation_config)
         for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch),
-                            ("context", context)):
+                            ("context", context), ("max_step_tokens", max_step_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise DecodeError(f"{name} must be a positive integer, got {value!r}")
         if context is not None and context > model.config.max_seq_len:
@@ -138,7 +141,7 @@ class Engine:
         pool_tokens = pool_tokens or max_batch * self.context
         num_blocks = -(-pool_tokens // block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, max_batch)
+        self.scheduler = Scheduler(self.block_manager, max_batch, max_step_tokens)
         self.runner = Runner(model, config, num_blocks * block_size, max_batch, self.context, observer, fixed_shapes)
         self.stats = EngineStats()
         self._block_bytes = block_size * KVPool.slot_bytes(model.config, model.dtype)

@@ -328,9 +328,8 @@ class Runner:
         only to compile an empty plan's program)."""
         cfg, mask_id = self.config, self.model.config.mask_token_id
         bl = cfg.block_length
-        columns = ([s.own_columns for s in plan.probe] + [s.private_columns for s in plan.recompute]
-                   + [s.block_columns for s in plan.decode])
         seqs = plan.segments
+        columns = [s.forward_columns for s in seqs]
         lengths = np.asarray([len(c) for c in columns], np.int64)
         starts = np.cumsum(lengths) - lengths
         m_real = int(lengths.sum())

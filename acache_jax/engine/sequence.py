@@ -63,6 +63,7 @@ class SequenceState:
         self.masked_at_start = 0  # masks in the block at its start (LLaDA's fixed schedule)
         self.probed = False  # an anchor probe ran for it (one more forward)
         self.needs_recompute = True  # set at admission and at each new block
+        self.ready_since = 0  # the scheduler's iteration from which it has waited for a forward of its own
         self.forward_tokens = 0  # tokens the forwards computed for it
         self.num_anchors = 0  # K: reserved by Scheduler.add, final once the anchors are set
         self.min_anchors = 0  # an adaptive budget's lower bound (= K under a fixed one)
@@ -221,6 +222,14 @@ class SequenceState:
         if not self.shares_affix:
             return np.zeros(0, np.int32)
         return self.row.shared_columns(self.anchors)
+
+    @property
+    def forward_columns(self) -> np.ndarray:
+        """int32: the columns the next packed forward computes for this request: before its probe,
+        its own columns; at a block start, its private columns; mid-block, its block."""
+        if self.needs_probe:
+            return self.own_columns
+        return self.private_columns if self.needs_recompute else self.block_columns
 
     @_memoized
     def read_slot_map(self) -> np.ndarray:

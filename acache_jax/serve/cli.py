@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-tokens", type=_non_negative, default=0,
                    help="compile every program of steps up to this many tokens at start (on a GPU: about "
                         "max batch x prompt + answer tokens; 0: compile as requests first need them)")
+    p.add_argument("--max-step-tokens", type=positive, default=None,
+                   help="the most tokens one engine step computes (bounds its activations; probes and block "
+                        "starts beyond it wait a step); default: --warmup-tokens when set, else no bound")
     p.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
                    help="seconds running requests get at SIGTERM; those still running then get a 503")
     limits = Limits()
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                             min_count=args.affix_min_count, min_tokens=args.affix_min_tokens,
                             affix_budget_bytes=args.affix_memory_mb << 20,
                             finish_early=args.early_stop, warmup_tokens=args.warmup_tokens,
-                            default_engine=engine_config(base))
+                            max_step_tokens=args.max_step_tokens, default_engine=engine_config(base))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -53,6 +53,9 @@ class Settings:
     # > 0: engines run fixed shapes, and `warm_up` compiles every program of steps up to this many
     # tokens before the first request (0: programs compile as the traffic first needs them)
     warmup_tokens: int = 0
+    # the most tokens one step computes (Engine's max_step_tokens); None: warmup_tokens when set, so
+    # that a burst of new requests runs on warmed-up programs (split over steps), else no bound
+    max_step_tokens: int | None = None
     default_engine: DecodeConfig | None = None  # the key of requests with the server's defaults: kept
 
 
@@ -217,7 +220,8 @@ class Worker:
                     del self.engines[idle]
             s = self.settings
             engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch,
-                                                   fixed_shapes=s.warmup_tokens > 0, context=s.context)
+                                                   fixed_shapes=s.warmup_tokens > 0, context=s.context,
+                                                   max_step_tokens=s.max_step_tokens or s.warmup_tokens or None)
         self.engines.move_to_end(config)
         return engine
 
