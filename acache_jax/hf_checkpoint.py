@@ -100,31 +100,33 @@ def key_map(cfg: ModelConfig) -> dict[str, Entry]:
 # Weight dtypes a checkpoint may store (safetensors names). Every other dtype of the format is
 # refused at the header check: an integer, bool or unscaled fp8 tensor cast to float would load
 # without an error and babble.
-_ST_DTYPES = {
+ST_DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
     "F64": np.dtype(np.float64),
 }
-_ST_ITEMSIZE = {  # bytes per element of every safetensors dtype, to check the offsets of any tensor
+ST_ITEMSIZE = {  # bytes per element of every safetensors dtype, to check the offsets of any tensor
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
     "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
 
 
-class _TensorInfo(NamedTuple):
+class TensorInfo(NamedTuple):
+    """Where one tensor's bytes lie in a safetensors file (from its header)."""
+
     file: Path
-    dtype: str  # the safetensors dtype name (the supported ones: _ST_DTYPES)
+    dtype: str  # the safetensors dtype name (the supported ones: ST_DTYPES)
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the data in the file
 
     @property
     def nbytes(self) -> int:
-        return _ST_ITEMSIZE[self.dtype] * int(np.prod(self.shape))
+        return ST_ITEMSIZE[self.dtype] * int(np.prod(self.shape))
 
 
-def _read_header(file: Path) -> dict[str, _TensorInfo]:
+def _read_header(file: Path) -> dict[str, TensorInfo]:
     """Parse a safetensors header and check that every tensor's bytes lie inside the file.
 
-    Tensors are then mapped one by one (`_map_tensor`), so that the map of a tensor in flight
+    Tensors are then mapped one by one (`map_tensor`), so that the map of a tensor in flight
     counts in RSS, not every touched page of the shard.
     """
     size = file.stat().st_size
@@ -138,10 +140,10 @@ def _read_header(file: Path) -> dict[str, _TensorInfo]:
         for key, meta in header.items():
             if key == "__metadata__":
                 continue
-            if meta["dtype"] not in _ST_ITEMSIZE:
+            if meta["dtype"] not in ST_ITEMSIZE:
                 raise ValueError(f"tensor {key} has an unknown dtype {meta['dtype']!r}")
             begin, end = meta["data_offsets"]
-            info = _TensorInfo(file, meta["dtype"], tuple(meta["shape"]), 8 + n + begin)
+            info = TensorInfo(file, meta["dtype"], tuple(meta["shape"]), 8 + n + begin)
             if end - begin != info.nbytes or 8 + n + end > size:
                 raise ValueError(f"tensor {key} needs bytes up to {8 + n + end}, the file has {size}")
             infos[key] = info
@@ -150,7 +152,7 @@ def _read_header(file: Path) -> dict[str, _TensorInfo]:
         raise CheckpointError(f"cannot read {file.name}: truncated or not a safetensors file ({e})") from e
 
 
-def _map_tensor(info: _TensorInfo) -> np.ndarray:
+def map_tensor(info: TensorInfo) -> np.ndarray:
     """The tensor's bytes in place: a read-only array over a memory map of its own file region (the
     map goes when the array does, so only tensors in flight count in RSS). Nothing is copied on the
     host: the transfer to the device reads the page cache directly. Reading into a fresh buffer
@@ -160,11 +162,11 @@ def _map_tensor(info: _TensorInfo) -> np.ndarray:
     start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
     with open(info.file, "rb") as f:
         region = mmap.mmap(f.fileno(), info.offset + info.nbytes - start, access=mmap.ACCESS_READ, offset=start)
-    count = info.nbytes // _ST_ITEMSIZE[info.dtype]
-    return np.frombuffer(region, _ST_DTYPES[info.dtype], count, info.offset - start).reshape(info.shape)
+    count = info.nbytes // ST_ITEMSIZE[info.dtype]
+    return np.frombuffer(region, ST_DTYPES[info.dtype], count, info.offset - start).reshape(info.shape)
 
 
-def _headers(src: Path) -> dict[str, _TensorInfo]:
+def _headers(src: Path) -> dict[str, TensorInfo]:
     """Every tensor of the checkpoint: the files named by the index if there is one, else all."""
     index = src / INDEX_FILE
     if index.is_file():
@@ -181,13 +183,13 @@ def _headers(src: Path) -> dict[str, _TensorInfo]:
         files = sorted(src.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors files in {src}")
-    found: dict[str, _TensorInfo] = {}
+    found: dict[str, TensorInfo] = {}
     for file in files:
         found.update(_read_header(file))
     return found
 
 
-def checked_tensors(src: str | Path, cfg: ModelConfig) -> list[tuple[Entry, _TensorInfo]]:
+def checked_tensors(src: str | Path, cfg: ModelConfig) -> list[tuple[Entry, TensorInfo]]:
     """Every tensor `cfg` needs, in file order (shards are read front to back), checked from the
     headers alone: one error lists every missing, unexpected, misshaped or unsupported tensor."""
     src = Path(src)
@@ -198,9 +200,9 @@ def checked_tensors(src: str | Path, cfg: ModelConfig) -> list[tuple[Entry, _Ten
     present = sorted(set(expected) & set(headers))
     misshaped = [f"{k}: {headers[k].shape} (expected {expected[k].hf_shape})"
                  for k in present if headers[k].shape != expected[k].hf_shape]
-    unsupported = [f"{k}: {headers[k].dtype}" for k in present if headers[k].dtype not in _ST_DTYPES]
+    unsupported = [f"{k}: {headers[k].dtype}" for k in present if headers[k].dtype not in ST_DTYPES]
     problems = (("missing", missing), ("unexpected", unexpected), ("wrong shape", misshaped),
-                (f"unsupported dtype, not one of {', '.join(_ST_DTYPES)}", unsupported))
+                (f"unsupported dtype, not one of {', '.join(ST_DTYPES)}", unsupported))
     if any(items for _, items in problems):
         parts = [f"{label} ({len(items)}): {', '.join(items)}" for label, items in problems if items]
         raise CheckpointError(f"checkpoint at {src} does not match its config.json ({cfg.family}): " + "; ".join(parts))
@@ -221,14 +223,14 @@ def iter_tensors(
     progress: Callable[[list], Iterable] = lambda items: items,
 ) -> Iterator[tuple[Entry, np.ndarray]]:
     """Yield (entry, tensor) for every tensor of the HF checkpoint at src as it is stored: the
-    file's bytes, in the file's dtype and PyTorch layout, mapped rather than read (`_map_tensor`).
+    file's bytes, in the file's dtype and PyTorch layout, mapped rather than read (`map_tensor`).
     Nothing is transposed or cast on the host (the device does both as it receives each tensor:
     acache_jax.checkpoint). Names, shapes and dtypes are checked from the headers before any data
     is touched, and so are the files' sizes: a file cut short after that check would end the
     process when its missing bytes are touched (SIGBUS), a risk only a file changed while it loads
     runs."""
     for entry, info in progress(checked_tensors(src, cfg)):
-        yield entry, _map_tensor(info)
+        yield entry, map_tensor(info)
 
 
 NUMPY_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax.config import ModelConfig
-from acache_jax.hf_checkpoint import _ST_DTYPES, _ST_ITEMSIZE, _map_tensor, checked_tensors
+from acache_jax.hf_checkpoint import ST_DTYPES, ST_ITEMSIZE, checked_tensors, map_tensor
 
 snap = Path(sys.argv[1])
 only = set(sys.argv[2:])
@@ -117,11 +117,11 @@ if not only or "load" in only:
 
 
 for t in (4, 8):
-    timed(f"hostcopy/mmap threads={t}", lambda t=t: pool_map(lambda i: np.array(_map_tensor(i)).nbytes, infos, t) and None)
+    timed(f"hostcopy/mmap threads={t}", lambda t=t: pool_map(lambda i: np.array(map_tensor(i)).nbytes, infos, t) and None)
 
 
 def put_mmap(info):
-    return jax.device_put(_map_tensor(info), dev).block_until_ready()
+    return jax.device_put(map_tensor(info), dev).block_until_ready()
 
 
 for t in (1, 4, 8):
@@ -133,8 +133,8 @@ def map_populate(info):
     with open(info.file, "rb") as f:
         region = mmap.mmap(f.fileno(), info.offset + info.nbytes - start, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
                            prot=mmap.PROT_READ, offset=start)
-    count = info.nbytes // _ST_ITEMSIZE[info.dtype]
-    return np.frombuffer(region, _ST_DTYPES[info.dtype], count, info.offset - start).reshape(info.shape)
+    count = info.nbytes // ST_ITEMSIZE[info.dtype]
+    return np.frombuffer(region, ST_DTYPES[info.dtype], count, info.offset - start).reshape(info.shape)
 
 
 for t in (4, 8):
@@ -142,7 +142,7 @@ for t in (4, 8):
 
 
 def pread(info):
-    out = np.empty(info.shape, _ST_DTYPES[info.dtype])
+    out = np.empty(info.shape, ST_DTYPES[info.dtype])
     with open(info.file, "rb", buffering=0) as f:
         f.seek(info.offset)
         f.readinto(memoryview(out.reshape(-1).view(np.uint8)))
@@ -179,7 +179,7 @@ if not only or "resident" in only:
 
 
 def put_pinned(info):
-    staged = jax.device_put(_map_tensor(info), PINNED)
+    staged = jax.device_put(map_tensor(info), PINNED)
     return jax.device_put(staged, ON_DEVICE).block_until_ready()
 
 
@@ -194,7 +194,7 @@ CHUNK = 64 << 20
 
 
 def put_chunked(info):
-    a = _map_tensor(info)
+    a = map_tensor(info)
     if a.nbytes <= 2 * CHUNK:
         return jax.device_put(a, dev).block_until_ready()
     rows = max(1, CHUNK // (a.nbytes // a.shape[0]))
