@@ -62,7 +62,10 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc, url = start_server("--max-batch", "8", "--max-queue", "16")
+    # Steps of at most 256 tokens: 8 concurrent requests of these lengths need more, so the tests
+    # below (a stream's text equals the answer's, a discovered affix decodes as declared, every
+    # request under load gets its one answer) run through steps the bound splits.
+    proc, url = start_server("--max-batch", "8", "--max-queue", "16", "--max-step-tokens", "256")
     yield proc, url
     if proc.poll() is None:
         proc.kill()
