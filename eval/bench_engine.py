@@ -1,7 +1,7 @@
 """The serving engine, Fast-dLLM dual-cache baseline vs ACache side by side (the paper's tables 1-4).
 
-    python -m eval.bench_engine [--models llada,dream] [--batches 1,4,16] [--shots 1,2,4] [--repeats 3] [--meshes none,1x1]
-                                [--max-step-tokens N] [--cprofile N] [--out DIR]
+    python -m eval.bench_engine [--models llada,dream] [--batches 1,4,16] [--shots 1,2,4] [--repeats 3]
+                                [--meshes none,1x1] [--max-step-tokens N] [--cprofile N] [--out DIR]
 
 LLaDA-8B and Dream-7B shapes with random bf16 weights; per (model, shots, batch) both policies
 decode the same requests with the same weights: `batch` requests of a shared prefix affix of
@@ -123,7 +123,7 @@ def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[i
 
 def new_engine(model, config: DecodeConfig, pool_tokens: int, batch: int, args, observer=None) -> Engine:
     return Engine(model, config, pool_tokens=pool_tokens, max_batch=batch, observer=observer,
-                  max_step_tokens=getattr(args, "max_step_tokens", None))
+                  max_step_tokens=args.max_step_tokens)
 
 
 def warm(model, shots: int, batch: int, policy: str, args) -> None:

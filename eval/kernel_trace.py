@@ -26,9 +26,8 @@ from pathlib import Path
 
 import jax
 
-from acache_jax.engine import Engine
 from eval.bench_decode import llada_8b, random_model
-from eval.bench_engine import case_configs, dream_7b, warm
+from eval.bench_engine import case_configs, dream_7b, new_engine, warm
 
 
 def busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
@@ -96,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     cfg = llada_8b(args.layers or 32) if args.family == "llada" else dream_7b(args.layers or 28)
     model = random_model(cfg)
-    run = argparse.Namespace(gen=256, block=32, steps=32, ratio=0.2, selector="attention", backend=None)
+    run = argparse.Namespace(gen=256, block=32, steps=32, ratio=0.2, selector="attention", backend=None,
+                             max_step_tokens=None)  # eval.bench_engine's defaults
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
         for policy in args.policies.split(","):
@@ -106,10 +106,11 @@ def main(argv: list[str] | None = None) -> None:
             trace_dir = args.out / f"trace_{args.family}_{policy}_b{batch}"
             traced = time.perf_counter()
             with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-                engine = Engine(model, configs[policy], pool_tokens=pool_tokens, max_batch=batch)
+                engine = new_engine(model, configs[policy], pool_tokens, batch, run)
                 engine.generate(requests, affix)
-            print(f"{args.family} {policy} B{batch} {args.shots}-shot: compiled in {traced - started:.1f} s, traced run "
-                  f"{time.perf_counter() - traced:.2f} s, {engine.stats.summary()['tokens_per_s']:.0f} tok/s", flush=True)
+            print(f"{args.family} {policy} B{batch} {args.shots}-shot: compiled in {traced - started:.1f} s, "
+                  f"traced run {time.perf_counter() - traced:.2f} s, "
+                  f"{engine.stats.summary()['tokens_per_s']:.0f} tok/s", flush=True)
             summarise(trace_dir, f"{policy} B{batch}", args.top)
 
 

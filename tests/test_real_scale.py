@@ -18,7 +18,8 @@ def test_real_scale_runs_each_entry_point_and_reads_the_cache_back(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {row["step"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["write snapshot", "read files (page cache)", "convert", "load snapshot, cold cache",
-                          "load snapshot, warm cache", "load converted, warm cache", "generate, cold cache", "generate, warm cache", "generate converted, warm cache"]
+                          "load snapshot, warm cache", "load converted, warm cache", "generate, cold cache",
+                          "generate, warm cache", "generate converted, warm cache"]
     assert all(row.get("rc", 0) == 0 and "error" not in row for row in rows.values())
     assert all(row["peak_rss_gb"] > 0 and row["programs"] > 0 for row in rows.values() if "rc" in row)
     for cold, warm in (("load snapshot, cold cache", "load snapshot, warm cache"),

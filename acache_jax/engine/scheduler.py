@@ -176,10 +176,11 @@ class Scheduler:
         self._finished_last_step = []
         self._iteration += 1
         plan = Plan([s for s in admitted if s.affix_is_new], [], [], [], self.blocks_in_use)
-        ready = [s for s in self._running if s.needs_probe or s.needs_recompute]
-        plan.decode = [s for s in self._running if not (s.needs_probe or s.needs_recompute)]
+        ready: list[SequenceState] = []  # waiting for a probe or a block start
+        for seq in self._running:
+            (ready if seq.needs_probe or seq.needs_recompute else plan.decode).append(seq)
         if self.max_step_tokens is not None and ready:
-            tokens = sum(len(s.block_columns) for s in plan.decode)
+            tokens = sum(len(s.forward_columns) for s in plan.decode)
             chosen = set()
             for i, seq in enumerate(sorted(ready, key=lambda s: s.ready_since)):  # stable: admission order
                 n = len(seq.forward_columns)
