@@ -224,6 +224,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def add_case_args(ap: argparse.ArgumentParser) -> None:
+    """The flags that set how each case decodes (case_configs, new_engine): shared with
+    eval.kernel_trace, so that it profiles the runs this benchmark times."""
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=32, help="fixed schedule: gen/steps tokens committed per forward")
+    ap.add_argument("--ratio", type=float, default=0.2)
+    ap.add_argument("--selector", default="attention", choices=ENGINE_SELECTORS, help="ACache's anchor selector")
+    ap.add_argument("--backend", default=None, help="attention backend (default: pallas on a GPU)")
+    ap.add_argument("--max-step-tokens", type=int, default=None,
+                    help="the engines' bound on one step's tokens (default: none); outputs do not change")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llada,dream")
@@ -231,19 +244,12 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default=[16, 1, 4], type=ints)
     ap.add_argument("--shots", default=[4, 1, 2], type=ints)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs); default: the full model")
-    ap.add_argument("--gen", type=int, default=256)
-    ap.add_argument("--block", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=32, help="fixed schedule: gen/steps tokens committed per forward")
-    ap.add_argument("--ratio", type=float, default=0.2)
-    ap.add_argument("--selector", default="attention", choices=ENGINE_SELECTORS, help="ACache's anchor selector")
-    ap.add_argument("--backend", default=None, help="attention backend (default: pallas on a GPU)")
+    add_case_args(ap)
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new cases after this")
     ap.add_argument("--compile-threads", type=int, default=8, help="cases compiled in parallel before timing")
     ap.add_argument("--compile-s", type=float, default=None, help="time for compiling (default: half the budget)")
     ap.add_argument("--meshes", default="none", type=parse_meshes,
                     help="each model under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1 (rows model@tp1dp1)")
-    ap.add_argument("--max-step-tokens", type=int, default=None,
-                    help="the engines' bound on one step's tokens (default: none); outputs do not change")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs per case and policy (the median is reported)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also run each case under cProfile and print its N functions of most own time")

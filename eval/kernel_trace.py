@@ -3,6 +3,7 @@ the trace jax.profiler writes (the per-layer kernel list of docs/BENCHMARKS.md).
 
     python -m eval.kernel_trace --out DIR [--family llada|dream] [--shots 4] [--batches 1,16]
                                 [--policies baseline,acache] [--layers N] [--top 45]
+                                [eval.bench_engine's case flags: --gen, --block, --steps, ...]
 
 Each case is first run whole once (its programs compile), then run again under
 `jax.profiler.trace` (DIR/trace_<family>_<policy>_b<batch>, perfetto format). Printed per case and
@@ -27,7 +28,7 @@ from pathlib import Path
 import jax
 
 from eval.bench_decode import llada_8b, random_model
-from eval.bench_engine import case_configs, dream_7b, new_engine, warm
+from eval.bench_engine import add_case_args, case_configs, dream_7b, new_engine, warm
 
 
 def busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
@@ -92,21 +93,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--policies", default="baseline,acache")
     p.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU check); default: the real count")
     p.add_argument("--top", type=int, default=45, help="kernels listed per stream")
+    add_case_args(p)  # how each case decodes: eval.bench_engine's flags and defaults
     args = p.parse_args(argv)
     cfg = llada_8b(args.layers or 32) if args.family == "llada" else dream_7b(args.layers or 28)
     model = random_model(cfg)
-    run = argparse.Namespace(gen=256, block=32, steps=32, ratio=0.2, selector="attention", backend=None,
-                             max_step_tokens=None)  # eval.bench_engine's defaults
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
         for policy in args.policies.split(","):
             started = time.perf_counter()
-            warm(model, args.shots, batch, policy, run)
-            affix, requests, pool_tokens, configs = case_configs(cfg, args.shots, batch, run)
+            warm(model, args.shots, batch, policy, args)
+            affix, requests, pool_tokens, configs = case_configs(cfg, args.shots, batch, args)
             trace_dir = args.out / f"trace_{args.family}_{policy}_b{batch}"
             traced = time.perf_counter()
             with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-                engine = new_engine(model, configs[policy], pool_tokens, batch, run)
+                engine = new_engine(model, configs[policy], pool_tokens, batch, args)
                 engine.generate(requests, affix)
             print(f"{args.family} {policy} B{batch} {args.shots}-shot: compiled in {traced - started:.1f} s, "
                   f"traced run {time.perf_counter() - traced:.2f} s, "
