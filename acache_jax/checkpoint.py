@@ -29,9 +29,10 @@ from jax.sharding import Mesh
 from acache_jax import compile_cache
 from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
 from acache_jax.files import partial_name, remove_stale_partials
-from acache_jax.hf_checkpoint import CheckpointError, Entry, iter_tensors, stored_dtype
+from acache_jax.hf_checkpoint import ST_DTYPES, CheckpointError, Entry, checked_tensors, iter_tensors, stored_dtype
 from acache_jax.model import Model, abstract_transformer
-from acache_jax.sharding import FUSED_PARTS, fuse_param, is_qkv, kv_copies, param_sharding, place_param, sharded_config
+from acache_jax.sharding import (FUSED_PARTS, compiling_ahead, fuse_param, is_qkv, kv_copies, load_programs,
+                                 param_sharding, place_param, sharded_config)
 from acache_jax.tokenizer import TOKENIZER_FILES, LazyTokenizer, ships_tokenizer
 
 FORMAT_FILE = "acache.json"
@@ -284,9 +285,16 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
 
 
 def _read_hf(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Mesh | None) -> dict:
-    if dtype is None:
-        dtype = stored_dtype(path, cfg)
-    return _unstring_layers(_nest(read_hf(path, cfg, DTYPES[_dtype_name(dtype)], mesh)))
+    """The snapshot's parameters, placed; the programs placing them and `load`'s finiteness check
+    compile on a thread of their own meanwhile (`compiling_ahead`: while the files are read)."""
+    dtype = DTYPES[_dtype_name(stored_dtype(path, cfg) if dtype is None else dtype)]
+    tensors = [(e.path, info.shape, ST_DTYPES[info.dtype], e.transpose, e.part)
+               for e, info in checked_tensors(path, cfg)]
+    _, abstract = nnx.split(abstract_transformer(sharded_config(cfg, mesh), dtype))
+    leaves = [a if mesh is None else jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=param_sharding(mesh, p))
+              for p, a in _finite_order(_flatten(nnx.to_pure_dict(abstract)))]
+    with compiling_ahead(load_programs(tensors, cfg, mesh, dtype) + [(_all_finite, (leaves,))]):
+        return _unstring_layers(_nest(read_hf(path, cfg, dtype, mesh)))
 
 
 def progress(desc: str):
@@ -301,9 +309,15 @@ def _all_finite(leaves: list[jax.Array]) -> jax.Array:
     return jnp.stack([jnp.isfinite(a).all() for a in leaves])
 
 
+def _finite_order(flat: list[tuple[tuple, Any]]) -> list[tuple[tuple, Any]]:
+    """`_check_finite`'s order of the leaves: one program for either format (whose layer keys are
+    strings or ints) and for the abstract tree `_read_hf` compiles it ahead for."""
+    return sorted(flat, key=lambda item: [str(k) for k in item[0]])
+
+
 def _check_finite(tree: dict) -> None:
     """Name the first parameter holding NaN or inf (one fused reduction, one transfer)."""
-    flat = sorted(_flatten(tree), key=lambda item: [str(k) for k in item[0]])  # one program for either format
+    flat = _finite_order(_flatten(tree))
     finite = jax.device_get(_all_finite([a for _, a in flat]))
     bad = [".".join(map(str, p)) for (p, _), ok in zip(flat, finite) if not ok]
     if bad:

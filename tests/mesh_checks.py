@@ -68,11 +68,31 @@ def nnx_leaves(model):
     return [(tuple(k.key for k in path), leaf) for path, leaf in flat]
 
 
+def foreseen_and_called(checkpoint, sharding) -> tuple[list, set]:
+    """Record, from here on, the signatures a snapshot load compiles ahead and those its placing
+    programs are called with (test_convert checks the same without a mesh)."""
+    foreseen, called = [], set()
+    ahead, call = checkpoint.compiling_ahead, sharding._call
+
+    def recording_ahead(programs):
+        foreseen.extend(sharding._signature(p, inputs) for p, inputs in programs if p is not checkpoint._all_finite)
+        return ahead(programs)
+
+    def recording_call(program, *arrays):
+        called.add(sharding._signature(program, arrays))
+        return call(program, *arrays)
+
+    checkpoint.compiling_ahead, sharding._call = recording_ahead, recording_call
+    return foreseen, called
+
+
 def check_loading(workdir: Path) -> None:
-    """Loading on a mesh: split leaves, no whole split tensor on one device at any point of the read."""
-    from acache_jax import checkpoint
+    """Loading on a mesh: split leaves, no whole split tensor on one device at any point of the read;
+    the programs compiled ahead are those the placing then calls."""
+    from acache_jax import checkpoint, sharding
 
     dirs = model_dirs(workdir)
+    foreseen, called = foreseen_and_called(checkpoint, sharding)
     watched = []
     reading = checkpoint.progress
 
@@ -89,6 +109,7 @@ def check_loading(workdir: Path) -> None:
     finally:
         checkpoint.progress = reading
     assert len(watched) > 10 and not any(watched), [w for w in watched if w][:3]
+    assert len(foreseen) == len(set(foreseen)) and set(foreseen) == called, (len(foreseen), len(called))
     check_sharded(model, 4)
     bytes_per_device = {}
     for _, leaf in nnx_leaves(model):
@@ -103,7 +124,11 @@ def check_loading(workdir: Path) -> None:
     converted = convert(dirs["dream"], workdir / "dream-gqa-converted", dtype="float32")
     ids = np.array([[5, 17, 33, 2, 90, 11, 3], [64, 8, 1, 2, 23, 99, 54]], np.int32)
     for src in (dirs["dream"], converted):
+        foreseen.clear()
+        called.clear()
         dream = acache_jax.load(src, dtype="float32", mesh=make_mesh(4))
+        if src == dirs["dream"]:  # a snapshot, KV heads copied on the mesh
+            assert len(foreseen) == len(set(foreseen)) and set(foreseen) == called, (len(foreseen), len(called))
         assert dream.config.num_kv_heads == 4, dream.config
         check_sharded(dream, 4)
         single = acache_jax.load(src, dtype="float32")

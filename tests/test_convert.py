@@ -192,6 +192,43 @@ def test_the_host_only_reads_bytes_the_device_transposes_and_casts(tmp_path, mon
         np.testing.assert_array_equal(got, want.astype(np.dtype("bfloat16")), err_msg=name)
 
 
+@pytest.mark.parametrize("cfg", [llada_config(), dream_config(num_attention_heads=4, num_key_value_heads=2)],
+                         ids=["llada", "dream-gqa"])
+def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypatch, cfg):
+    """Loading a snapshot compiles its programs on a thread of its own while it reads
+    (`sharding.compiling_ahead`): what it foresees is exactly what placing the tensors, fusing the
+    parts and the finiteness check then call, signature for signature, so that none of them compiles
+    a program on the loading threads, and nothing is compiled that no call needs."""
+    from flax import nnx
+
+    from acache_jax import checkpoint, sharding
+    from acache_jax.hf_checkpoint import key_map
+
+    src = _hf(tmp_path, cfg, shards=2)
+    foreseen, called = [], set()
+    ahead, call = checkpoint.compiling_ahead, sharding._call
+
+    def recording_ahead(programs):
+        foreseen.extend(sharding._signature(p, inputs) for p, inputs in programs)
+        return ahead(programs)
+
+    def recording_call(program, *arrays):
+        called.add(sharding._signature(program, arrays))
+        return call(program, *arrays)
+
+    monkeypatch.setattr(checkpoint, "compiling_ahead", recording_ahead)
+    monkeypatch.setattr(sharding, "_call", recording_call)
+    model = acache_jax.load(src, dtype="bfloat16")  # the files hold float32: every tensor is cast
+    leaves = [a for _, a in checkpoint._finite_order(checkpoint._flatten(nnx.to_pure_dict(model.params)))]
+    called.add(sharding._signature(checkpoint._all_finite, (leaves,)))
+    assert len(foreseen) == len(set(foreseen)) and set(foreseen) == called
+    # one cast (and transpose) per kind of stored tensor, one fusion per kind of fused leaf, the check
+    entries = key_map(model.config).values()
+    kinds = {(e.hf_shape, e.transpose) for e in entries}
+    fused = {e.path[-2:] for e in entries if e.part is not None}  # qkv kernel (and bias), gate_up kernel
+    assert len(called) == len(kinds) + len(fused) + 1
+
+
 @pytest.mark.parametrize("cfg,dtype", [(llada_config(n_kv_heads=2, include_qkv_bias=True), "float32"),
                                        (dream_config(num_attention_heads=4, num_key_value_heads=2), "bfloat16")],
                          ids=["llada-float32", "dream-bfloat16"])
