@@ -130,9 +130,10 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
     """
     backend = _backend(backend, q.shape[-1])
     (layer_k,), (layer_v,) = access.pool.k, access.pool.v
-    pool_k = constrain_kv(layer_k.at[access.write_slots].set(
-        rope(k[None], positions[None], rope_theta)[0].astype(layer_k.dtype), mode="drop"))
-    pool_v = constrain_kv(layer_v.at[access.write_slots].set(v.astype(layer_v.dtype), mode="drop"))
+    write = _distinct_past_end(access.write_slots, layer_k.shape[0])
+    pool_k = constrain_kv(layer_k.at[write].set(rope(k[None], positions[None], rope_theta)[0].astype(layer_k.dtype),
+                                                mode="drop", unique_indices=True))
+    pool_v = constrain_kv(layer_v.at[write].set(v.astype(layer_v.dtype), mode="drop", unique_indices=True))
     m, hq, d = q.shape
     extend = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # index M: empty
     tile = lambda a: extend(a)[access.tiles]
@@ -160,5 +161,15 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
         scores = _importance(tile(q_read), pool_k, per_tile(rs.slots), per_tile(rs.lens), tile(access.probe_weight),
                              lse, "xla" if backend == "xla" else "pallas")
         importance = jax.ops.segment_sum(scores, access.tile_segment, num_segments=rs.slots.shape[0])
-    out = jnp.zeros((m + 1, hq, d), q.dtype).at[access.tiles.reshape(-1)].set(out_tiles.reshape(-1, hq, d))
-    return out[:m], pool_k, pool_v, importance
+    out = jnp.zeros((m, hq, d), q.dtype).at[_distinct_past_end(access.tiles.reshape(-1), m)].set(
+        out_tiles.reshape(-1, hq, d), mode="drop", unique_indices=True)
+    return out, pool_k, pool_v, importance
+
+
+def _distinct_past_end(index: jax.Array, size: int) -> jax.Array:
+    """A scatter's indices into `size` rows with every entry at or past the end (padding, written
+    nowhere) made distinct, so that the scatter may promise unique indices (the real ones are: one
+    pool row per token, one tile place per token). Then XLA's GPU scatter stores each element;
+    otherwise it updates each bfloat16 element with a compare-and-swap loop on its 32-bit word
+    (the pool writes took about 15 µs a layer for 32 tokens on an H100)."""
+    return jnp.where(index < size, index, size + jnp.arange(index.shape[0], dtype=index.dtype))
