@@ -127,3 +127,31 @@ def test_an_affix_stored_alone_read_at_an_offset(model, backend):
                                                            access=rows_access(shared, own_rows, reads)),
                         attn_backend=backend).logits
     np.testing.assert_allclose(got, want, atol=5e-5)
+
+
+def test_pool_writes_promise_unique_indices_and_padding_writes_nothing():
+    """A forward's pool writes and the placement of its output from the query tiles promise unique
+    indices (padding entries made distinct past the end): XLA's GPU scatter then stores bfloat16
+    elements directly instead of looping on compare-and-swap. Padding tokens still write nothing and
+    every real token gets its own tile's output."""
+    import jax
+
+    from acache_jax.attention import attend_pool
+
+    rng = np.random.default_rng(3)
+    m, heads, dim, slots = 6, 2, 8, 10
+    q, k, v = (jnp.asarray(rng.normal(size=(m, heads, dim)), jnp.bfloat16) for _ in range(3))
+    pool = KVPool((jnp.zeros((slots, heads, dim), jnp.bfloat16),), (jnp.zeros((slots, heads, dim), jnp.bfloat16),))
+    write = jnp.asarray([4, slots, 7, 2, slots, 9], jnp.int32)  # tokens 1 and 4: padding
+    segment = jnp.asarray([0, -1, 0, 1, -1, 1], jnp.int32)
+    reads = (read_set(jnp.asarray([[4, 7], [2, 9]]), jnp.ones((2, 2), bool), jnp.zeros(2)),)
+    tiles = jnp.asarray([[0, 2], [3, 5], [m, m]], jnp.int32)  # padding tokens are in no tile
+    access = PoolAccess(pool, write, segment, reads, tiles, jnp.asarray([0, 1, 1]))
+    run = jax.jit(lambda q, k, v, access: attend_pool(q, k, v, jnp.arange(m), access, 10000.0, "xla")[:3])
+    scatters = [line for line in run.lower(q, k, v, access).as_text().splitlines() if "stablehlo.scatter" in line]
+    assert len(scatters) == 3 and all("unique_indices = true" in line for line in scatters), scatters
+    out, pool_k, pool_v = run(q, k, v, access)
+    np.testing.assert_array_equal(np.asarray(pool_v, np.float32)[[4, 7, 2, 9]], np.asarray(v, np.float32)[[0, 2, 3, 5]])
+    untouched = [s for s in range(slots) if s not in (4, 7, 2, 9)]
+    assert not np.asarray(pool_k, np.float32)[untouched].any() and not np.asarray(pool_v, np.float32)[untouched].any()
+    assert not np.asarray(out, np.float32)[[1, 4]].any() and np.asarray(out, np.float32)[[0, 2, 3, 5]].any()
