@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from acache_jax.config import ATTENTION_BACKENDS
-from acache_jax.kv import PoolAccess
+from acache_jax.kv import PoolAccess, distinct_past_end
 from acache_jax.sharding import KV_AXES, RULES, constrain_kv, model_axis_size, rows_axis
 from pallas_kernels import anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
 
@@ -130,7 +130,7 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
     """
     backend = _backend(backend, q.shape[-1])
     (layer_k,), (layer_v,) = access.pool.k, access.pool.v
-    write = _distinct_past_end(access.write_slots, layer_k.shape[0])
+    write = distinct_past_end(access.write_slots, layer_k.shape[0])
     pool_k = constrain_kv(layer_k.at[write].set(rope(k[None], positions[None], rope_theta)[0].astype(layer_k.dtype),
                                                 mode="drop", unique_indices=True))
     pool_v = constrain_kv(layer_v.at[write].set(v.astype(layer_v.dtype), mode="drop", unique_indices=True))
@@ -161,15 +161,7 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
         scores = _importance(tile(q_read), pool_k, per_tile(rs.slots), per_tile(rs.lens), tile(access.probe_weight),
                              lse, "xla" if backend == "xla" else "pallas")
         importance = jax.ops.segment_sum(scores, access.tile_segment, num_segments=rs.slots.shape[0])
-    out = jnp.zeros((m, hq, d), q.dtype).at[_distinct_past_end(access.tiles.reshape(-1), m)].set(
+    out = jnp.zeros((m, hq, d), q.dtype).at[distinct_past_end(access.tiles.reshape(-1), m)].set(
         out_tiles.reshape(-1, hq, d), mode="drop", unique_indices=True)
     return out, pool_k, pool_v, importance
 
-
-def _distinct_past_end(index: jax.Array, size: int) -> jax.Array:
-    """A scatter's indices into `size` rows with every entry at or past the end (padding, written
-    nowhere) made distinct, so that the scatter may promise unique indices (the real ones are: one
-    pool row per token, one tile place per token). Then XLA's GPU scatter stores each element;
-    otherwise it updates each bfloat16 element with a compare-and-swap loop on its 32-bit word
-    (the pool writes took about 15 µs a layer for 32 tokens on an H100)."""
-    return jnp.where(index < size, index, size + jnp.arange(index.shape[0], dtype=index.dtype))

@@ -35,7 +35,8 @@ from acache_jax.acache import DEVIATION_SELECTORS, PROBE_SIGN, Ranking, affix_de
 from acache_jax.config import DecodeConfig
 from acache_jax.engine.scheduler import Plan, StepOutput, Work
 from acache_jax.engine.sequence import SequenceState
-from acache_jax.kv import AffixCache, KVPool, PoolAccess, ReadSet, flat_index, rotated_from_zero, rows_access
+from acache_jax.kv import (AffixCache, KVPool, PoolAccess, ReadSet, distinct_past_end, flat_index, rotated_from_zero,
+                           rows_access)
 from acache_jax.layout import bucket, row_bucket, token_bucket
 from acache_jax.model import ForwardInputs, Structure
 from acache_jax.sampling import Commits
@@ -183,7 +184,9 @@ def _store_affix(pool: KVPool, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...
                  rope_theta: float) -> KVPool:
     """An affix's per-layer K (before RoPE) and V [L, ...] stored in its shared slots [L], K rotated
     at the affix's own positions 0..L-1 (rows whose slot is past the pool are dropped)."""
-    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype), mode="drop") for p, n in zip(rows, new))
+    slots = distinct_past_end(slots, pool.num_slots)
+    put = lambda rows, new: tuple(p.at[slots].set(n.astype(p.dtype), mode="drop", unique_indices=True)
+                                  for p, n in zip(rows, new))
     return KVPool(put(pool.k, rotated_from_zero(k, rope_theta)), put(pool.v, v))
 
 
