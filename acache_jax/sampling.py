@@ -106,9 +106,9 @@ def _top_p(logits: jax.Array, top_p: float) -> jax.Array:
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
     remove_sorted = jnp.concatenate([jnp.zeros_like(cum[..., :1], bool), cum[..., :-1] > top_p], axis=-1)
-    remove = jnp.zeros_like(remove_sorted).at[
+    remove = jnp.zeros_like(remove_sorted).at[  # `order` is a permutation: unique indices (a plain store on a GPU)
         jnp.arange(logits.shape[0])[:, None, None], jnp.arange(logits.shape[1])[None, :, None], order
-    ].set(remove_sorted)
+    ].set(remove_sorted, unique_indices=True)
     return jnp.where(remove, jnp.finfo(jnp.float32).min, logits)
 
 
