@@ -302,29 +302,29 @@ def load_programs(tensors: Iterable[tuple[Sequence[Any], tuple[int, ...], Any, b
 
 
 @contextlib.contextmanager
-def compiling_ahead(programs: Sequence[tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]]) -> Iterator[None]:
+def compiling_ahead(programs: Iterable[tuple[Any, tuple[jax.ShapeDtypeStruct, ...]]]) -> Iterator[None]:
     """Compile `programs` ((jitted function, abstract inputs), e.g. `load_programs`') on a thread of
-    their own while the block runs; a first call in the block finds its program compiled, or waits
-    for it to be (`_call`), and compiles none twice. Loading reads the files meanwhile: tracing and
+    their own while the block runs. They are taken one by one on that thread, so the work of a
+    generator is done there too. A first call in the block finds its program compiled, or waits for
+    it to be (`_call`), and none is compiled twice. Loading reads the files meanwhile: tracing and
     lowering a program is host work of about 0.1 s even when the compilation cache holds it, 7
     programs were 0.9 s of an 8B load of 3.1 s on an H100, and a thread placing tensors waited on
     each. The block's end waits for the thread; an error in the block stops it after the program in
-    hand. A program that fails to compile here is left to its first call (which raises its error)."""
+    hand. What fails here is left to its first call (which raises any real error)."""
     stop = threading.Event()
 
     def run() -> None:
-        for program, inputs in programs:
-            signature = _signature(program, inputs)
-            with _compiling:
-                if stop.is_set():
-                    return
-                if signature in _compiled:
-                    continue
-                try:
-                    program.lower(*inputs).compile()
-                except Exception:  # noqa: BLE001 - the first call compiles it again and raises
-                    return
-                _compiled.add(signature)
+        try:
+            for program, inputs in programs:
+                signature = _signature(program, inputs)
+                with _compiling:
+                    if stop.is_set():
+                        return
+                    if signature not in _compiled:
+                        program.lower(*inputs).compile()
+                        _compiled.add(signature)
+        except Exception:  # noqa: BLE001 - the rest compiles at its first call
+            return
 
     thread = threading.Thread(target=run, name="compile-ahead", daemon=True)
     thread.start()

@@ -75,6 +75,7 @@ def foreseen_and_called(checkpoint, sharding) -> tuple[list, set]:
     ahead, call = checkpoint.compiling_ahead, sharding._call
 
     def recording_ahead(programs):
+        programs = list(programs)
         foreseen.extend(sharding._signature(p, inputs) for p, inputs in programs if p is not checkpoint._all_finite)
         return ahead(programs)
 

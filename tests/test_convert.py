@@ -209,6 +209,7 @@ def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypa
     ahead, call = checkpoint.compiling_ahead, sharding._call
 
     def recording_ahead(programs):
+        programs = list(programs)
         foreseen.extend(sharding._signature(p, inputs) for p, inputs in programs)
         return ahead(programs)
 
