@@ -164,4 +164,3 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
     out = jnp.zeros((m, hq, d), q.dtype).at[distinct_past_end(access.tiles.reshape(-1), m)].set(
         out_tiles.reshape(-1, hq, d), mode="drop", unique_indices=True)
     return out, pool_k, pool_v, importance
-

@@ -248,8 +248,7 @@ class _Placing(NamedTuple):
 def _placing(path: Sequence[Any], stored: Any, cfg: ModelConfig, mesh: Mesh | None, dtype: Any, transposed: bool,
              part: str | None) -> _Placing:
     """How `place_param` places a tensor of dtype `stored` (and `load_programs` foresees it)."""
-    copies = kv_copies(cfg, tensor_parallel_size(mesh)) if is_qkv(path) else 1
-    target = None if mesh is None else param_sharding(mesh, path)
+    copies, target = _copies_and_sharding(path, cfg, mesh)
     if target is not None and copies > 1 and part in ("k", "v"):
         target = NamedSharding(mesh, P())  # fewer KV heads than devices: whole, copied by fuse_param
     regroup = copies if part is None else 1  # a whole qkv leaf laid out for no copies
@@ -268,9 +267,13 @@ def fuse_param(path: Sequence[Any], parts: Sequence[jax.Array], cfg: ModelConfig
 
 
 def _fusion(path: Sequence[Any], cfg: ModelConfig, mesh: Mesh | None) -> Any:
+    return _fuse(str(path[-2]), cfg.num_kv_heads, cfg.head_dim, *_copies_and_sharding(path, cfg, mesh))
+
+
+def _copies_and_sharding(path: Sequence[Any], cfg: ModelConfig, mesh: Mesh | None) -> tuple[int, NamedSharding | None]:
+    """(KV-head copies of the parameter at `path`, its sharding on `mesh`; None without one)."""
     copies = kv_copies(cfg, tensor_parallel_size(mesh)) if is_qkv(path) else 1
-    target = None if mesh is None else param_sharding(mesh, path)
-    return _fuse(str(path[-2]), cfg.num_kv_heads, cfg.head_dim, copies, target)
+    return copies, None if mesh is None else param_sharding(mesh, path)
 
 
 def load_programs(tensors: Iterable[tuple[Sequence[Any], tuple[int, ...], Any, bool, str | None]], cfg: ModelConfig,
