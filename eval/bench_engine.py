@@ -144,16 +144,20 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
             engine = new_engine(model, dcfg, pool_tokens, batch, args, observer=recorder)
             with collector_pauses() as pauses:
                 results = engine.generate(requests, affix)
-            runs.append((engine, results, sum(pauses), recorder))
-        runs.sort(key=lambda r: r[0].stats.seconds)
-        engine, results, gc_s, recorder = runs[len(runs) // 2]  # the median run
-        stats = engine.stats.summary()
-        host_shares = [e.stats.host_seconds / e.stats.seconds for e, *_ in runs]
+            # Its stats, not the engine: each engine holds a KV pool (28 GB for LLaDA 13-shot B16),
+            # and one kept alive beside the next one's would be measured as the engine's memory.
+            runs.append((engine.stats, results, sum(pauses), recorder))
+            del engine
+        runs.sort(key=lambda r: r[0].seconds)
+        run_stats, results, gc_s, recorder = runs[len(runs) // 2]  # the median run
+        stats = run_stats.summary()
+        host_shares = [s.host_seconds / s.seconds for s, *_ in runs]
         flops, model_s = forward_costs(cfg, recorder.work)
         timings = Recorder(timed=True)
         profiled = new_engine(model, dcfg, pool_tokens, batch, args, observer=timings)
         profiled.generate(requests, affix)
         prof = profiled.stats.summary() | timings.medians()
+        del profiled
         if args.cprofile:
             print(f"{name} {shots}-shot B{batch} {policy}: host profile of a plain run", flush=True)
             host_profile(lambda: new_engine(model, dcfg, pool_tokens, batch, args).generate(requests, affix),
