@@ -296,6 +296,9 @@ class _Tokens:
     def forward(self, tokens, token_keys, logit_rows):
         self.tokens.append(tokens)
 
+    def affix_fill(self, tokens):  # not a packed forward: the bound is on those
+        pass
+
     def call(self, kind, steps, seconds):
         pass
 

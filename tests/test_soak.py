@@ -248,10 +248,14 @@ def test_benchmark_bookkeeping_is_opt_in(fixtures_dir):
     work, timed = Recorder(), Recorder(timed=True)
     engine = Engine(model, cfg, max_batch=4, observer=work)
     engine.generate(requests, affix)
-    assert work.work and sum(tokens for tokens, _, _ in work.work) == engine.stats.forward_tokens
+    # the packed forwards' tokens, and the affix's own forward once (it fills the shared slots)
+    assert engine.stats.affix_fills == 1 and work.work.count((len(affix), len(affix) ** 2, 0)) == 1
+    assert sum(tokens for tokens, _, _ in work.work) == engine.stats.forward_tokens + len(affix)
     assert not work.packed and not work.loop and forward_costs(model.config, work.work)[0] > 0
     Engine(model, cfg, max_batch=4, observer=timed).generate(requests, affix)
-    assert {"probe_median_s", "recompute_median_s", "decode_step_median_s"} <= set(timed.medians())
+    medians = timed.medians()  # the fill timed apart from the probe of the same iteration
+    assert {"fill_median_s", "probe_median_s", "recompute_median_s", "decode_step_median_s"} <= set(medians)
+    assert [kind for kind, _ in timed.packed][:2] == ["fill", "probe"]
     plain = Engine(model, cfg, max_batch=4)
     plain.generate(requests, affix)
     assert plain.runner.observer is None and not hasattr(plain.runner, "work")

@@ -230,10 +230,15 @@ class Observer(Protocol):
         """One forward, padding excluded: the tokens it computed, the sum over them of the keys
         each read, and the rows it computed logits for."""
 
+    def affix_fill(self, tokens: int) -> None:
+        """An affix given as ids run alone to fill its shared slots: one forward of `tokens` tokens,
+        each reading all of them, no logits (a built `AffixCache` is stored without a forward)."""
+
     def call(self, kind: str, steps: int, seconds: float) -> None:
         """(timed only) One jitted call's device time. kind: the packed step's segment kinds joined
-        by "+" ("probe+recompute+decode"), "probe" (the hkvd selectors' own forward) or "loop" (the
-        block loop, which ran `steps` in-block steps; 1 for the others)."""
+        by "+" ("probe+recompute+decode"), "probe" (the hkvd selectors' own forward), "fill" (an
+        iteration's affix fills, `steps` of them) or "loop" (the block loop, which ran `steps`
+        in-block steps; 1 for the others)."""
 
 
 class Runner:
@@ -273,6 +278,8 @@ class Runner:
         else:
             ids, slots = jax.device_put((np.asarray(affix, np.int32), np.asarray(slots, np.int32)))
             call = lambda: compute_affix(self.structure, self.params, self.pool, ids, slots)
+            if self.observer is not None:
+                self.observer.affix_fill(len(affix))
         called = time.perf_counter()
         self.pool = call()
         work.device_seconds += time.perf_counter() - called
@@ -466,12 +473,16 @@ class Runner:
         """Run one iteration of the plan, its affix fills first; what the host must know. Mutates no
         sequence: what each request got comes back in the output, for the scheduler to apply."""
         work, forward_tokens = Work(), np.zeros(len(plan.segments), np.int64)
+        timed = self.observer is not None and self.observer.timed
+        start = time.perf_counter()
         for seq in plan.fills:
             self._fill_affix(seq.affix_source, seq.shared_slots, work)
+        if timed and plan.fills:  # apart: else the next call's time would hold the fills' forwards
+            jax.block_until_ready(self.pool)
+            self.observer.call("fill", len(plan.fills), time.perf_counter() - start)
         if plan.empty:
             return self._no_loop_output(None, forward_tokens, work)
         cfg = self.program_config
-        timed = self.observer is not None and self.observer.timed
         probed, ranking = len(plan.probe), None
         if plan.probe and cfg.selector in DEVIATION_SELECTORS:  # ranked by their own call, not the probe
             start = time.perf_counter()
