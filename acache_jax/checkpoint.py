@@ -182,17 +182,29 @@ def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Me
         # (place_param), and committed weights change every program that takes them: a converted
         # directory's runs missed the snapshot's compilation cache entries, and its engine compiled its
         # warmed-up steps again. So the leaves come to host memory, `in_flight` bytes at a time, and
-        # are placed as a snapshot's are.
+        # are placed as a snapshot's are. The next group is read while one is placed (an 8B load
+        # on an H100 spent 6.9 s reading and 1.6 s placing, one after the other), so the host
+        # holds at most two groups.
         handler = ocp.PyTreeCheckpointHandler(restore_concurrent_gb=in_flight_gb)
-        placed: list[tuple[tuple, jax.Array]] = []
-        for group in _groups(_flatten(target), in_flight):
+
+        def read(group: list[tuple[tuple, Any]]) -> dict:
             item = _nest((p, np.empty(a.shape, a.dtype)) for p, a in group)
-            host = restore(handler, ocp.args.PyTreeRestore(
+            return restore(handler, ocp.args.PyTreeRestore(
                 item, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item),
                 partial_restore=True))
-            group_placed = [(p, place_param(p, a, cfg, None, dtype)) for p, a in _flatten(host)]
-            jax.block_until_ready([a for _, a in group_placed])  # the group's host memory is free after this
-            placed += group_placed
+
+        placed: list[tuple[tuple, jax.Array]] = []
+        groups = list(_groups(_flatten(target), in_flight))
+        with ThreadPoolExecutor(1, thread_name_prefix="restore-weights") as reader:
+            reading = reader.submit(read, groups[0])
+            for following in [*groups[1:], None]:
+                host = reading.result()
+                if following is not None:
+                    reading = reader.submit(read, following)
+                group_placed = [(p, place_param(p, a, cfg, None, dtype)) for p, a in _flatten(host)]
+                del host
+                jax.block_until_ready([a for _, a in group_placed])  # the group's host memory is free after this
+                placed += group_placed
         return _unstring_layers(_nest(placed))
     tree = restore(ocp.StandardCheckpointHandler(restore_concurrent_gb=in_flight_gb), ocp.args.StandardRestore(target))
     return _unstring_layers(_nest((p, place_param(p, a, cfg, mesh, dtype)) for p, a in _flatten(tree)))
