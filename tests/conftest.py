@@ -57,12 +57,14 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-# The longest files, longest first (seconds on the 2-core CI machine, 2026-12-05). With --dist
+# The longest files, longest first (worker seconds from a fresh clone on the 2-core CI machine,
+# 2026-12-05: 262, 208, 168, 124, 120, 105, 97, 95, 87, 80, 75, 71, 57 of 2,052 in all). With --dist
 # loadfile the workers take whole files in collection order, so a long file collected last (the
-# soak tests, alphabetically near the end) ran alone while the other worker idled; handing out the
-# long ones first balances the two workers.
-LONG_FILES = ("test_soak.py", "test_engine.py", "test_acache.py", "test_sharding.py", "test_engine_bf16.py",
-              "test_checkpoints.py", "test_serve.py", "test_readme.py", "test_train.py", "test_lm_eval.py")
+# soak tests, alphabetically near the end) ran alone while the others idled; handing out the long
+# ones first balances the workers.
+LONG_FILES = ("test_engine.py", "test_soak.py", "test_acache.py", "test_readme.py", "test_checkpoints.py",
+              "test_sharding.py", "test_train.py", "test_serve.py", "test_engine_bf16.py", "test_lm_eval.py",
+              "test_decode.py", "test_compile_cache.py", "test_real_scale.py")
 
 
 def pytest_collection_modifyitems(items):
