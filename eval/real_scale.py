@@ -39,7 +39,8 @@ from pathlib import Path
 GB = 1e9
 STEPS = ("convert", "load", "generate", "engine", "lm_eval", "serve")
 STATS_ENV = "REAL_SCALE_STATS"  # where a child writes its device and compile figures
-PROFILE_ENV = "REAL_SCALE_PROFILE"  # set: each step prints a cProfile of its command to stderr (and runs slower)
+PROFILE_ENV = "REAL_SCALE_PROFILE"  # set: each step prints a cProfile of its command to stderr (a load also its
+# threads' timeline, `trace_load`), and runs slower
 CACHE_ENV = "ACACHE_JAX_COMPILE_CACHE"
 
 
@@ -80,11 +81,13 @@ def child(module: str, argv: list[str]) -> None:
         jax.devices()  # the GPU's start, which any program pays once, apart from the load it precedes
         backend = time.perf_counter()
         profiler = cProfile.Profile() if os.environ.get(PROFILE_ENV) else None
+        timeline = None if profiler is None else trace_load()
         model = acache_jax.load(argv[0]) if profiler is None else profiler.runcall(acache_jax.load, argv[0])
         jax.block_until_ready(model.flat[1])
         loaded = time.perf_counter()
         if profiler is not None:  # where a load's time goes, on stderr (the run's --log keeps it)
             pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(30)
+            timeline()
         print(json.dumps({"import_s": round(imported - started, 2), "backend_s": round(backend - imported, 2),
                           "load_s": round(loaded - backend, 2)}))
         return
@@ -96,6 +99,64 @@ def child(module: str, argv: list[str]) -> None:
         profiler.runcall(runpy.run_module, module, run_name="__main__", alter_sys=True)
     finally:
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(40)
+
+
+def trace_load():
+    """(profiled loads) Time the loader's threads, which a profile of the calling thread does not
+    see: when the compiling thread took and finished each program (`sharding.compiling_ahead`), how
+    long the placing threads' calls of each program took (a first call waiting for its compile, or
+    for the lock, shows here), and when each parameter was done. Returns a function that prints the
+    timeline to stderr, in seconds from now."""
+    import threading
+
+    from acache_jax import checkpoint, sharding
+
+    t0 = time.perf_counter()
+    ahead, call, read = checkpoint.compiling_ahead, sharding._call, checkpoint.read_hf
+    compiled: list[tuple[str, float, float]] = []  # (program, taken, done)
+    calls: dict[str, list[float]] = {}  # program -> seconds of each call
+    done: list[tuple[int, float]] = []  # (bytes, when) of each parameter handed out
+    names: dict = {}
+
+    def name(program, inputs) -> str:
+        signature = sharding._signature(program, inputs)
+        shapes = " ".join("x".join(map(str, a.shape)) for a in inputs if hasattr(a, "shape"))
+        return names.setdefault(signature, f"{len(names)}:{getattr(program, '__name__', '?')}({shapes})")
+
+    def timed_ahead(programs):
+        def each():
+            for program, inputs in programs:
+                taken = time.perf_counter() - t0
+                yield program, inputs
+                compiled.append((name(program, inputs), taken, time.perf_counter() - t0))
+        return ahead(each())
+
+    def timed_call(program, *arrays):
+        started = time.perf_counter()
+        out = call(program, *arrays)
+        calls.setdefault(name(program, arrays), []).append(time.perf_counter() - started)
+        return out
+
+    def timed_read(*args, **kwargs):
+        for path, array in read(*args, **kwargs):
+            done.append((array.nbytes, time.perf_counter() - t0))
+            yield path, array
+
+    checkpoint.compiling_ahead, sharding._call, checkpoint.read_hf = timed_ahead, timed_call, timed_read
+
+    def report() -> None:
+        lines = [f"load timeline, seconds from the start ({threading.active_count()} threads alive):"]
+        lines += [f"  compiled ahead {n}: taken {a:.2f}, done {b:.2f}" for n, a, b in compiled]
+        lines += [f"  called {n}: {len(t)} calls, {sum(t):.2f} s in all, longest {max(t):.3f} s"
+                  for n, t in calls.items()]
+        total, placed, marks = sum(n for n, _ in done), 0, [0.1, 0.25, 0.5, 0.75, 1.0]
+        for nbytes, when in done:
+            placed += nbytes
+            while marks and placed >= marks[0] * total:
+                lines.append(f"  {marks.pop(0):.0%} of the parameters' bytes placed at {when:.2f}")
+        print("\n".join(lines), file=sys.stderr)
+
+    return report
 
 
 # -- the parent: steps, each a process -----------------------------------------------------------

@@ -2,6 +2,8 @@
 says what happened (the H200 runs at 8B size are in docs/BENCHMARKS.md)."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +43,24 @@ def test_bench_load_times_every_variant_on_a_snapshot(tmp_path):
     for line in ("read/16MiB again", "acache_jax.load #1 (as is)", "_read_hf", "_check_finite",
                  "acache_jax.load pinned staging, threads 8", "put/mmap threads=8", "chunked/put threads=16"):
         assert line in run.stdout, (line, run.stdout)
+
+
+def test_a_profiled_load_prints_its_threads_timeline(tmp_path):
+    """REAL_SCALE_PROFILE=1 (how docs/BENCHMARKS.md's load profiles were taken): a load's stderr has
+    the compiling thread's programs, every program the placing threads called, and when the
+    parameters were placed, which a profile of the calling thread alone does not show."""
+    from eval.hf_snapshot import write_snapshot
+
+    write_snapshot(tmp_path / "snap", "dream", layers=1, hidden=112)
+    run = subprocess.run([sys.executable, "-m", "eval.real_scale", "--child", "load", str(tmp_path / "snap")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "REAL_SCALE_PROFILE": "1", "REAL_SCALE_STATS": str(tmp_path / "stats"),
+                              "ACACHE_JAX_COMPILE_CACHE": "off"})
+    assert run.returncode == 0, run.stderr
+    timeline = run.stderr[run.stderr.index("load timeline"):].splitlines()
+    ahead = [m[1] for line in timeline if (m := re.fullmatch(r"  compiled ahead (.+): taken .*", line))]
+    called = [m[1] for line in timeline if (m := re.fullmatch(r"  called (.+): \d+ calls, .*", line))]
+    # the relayouts and fusions of one Dream layer, the embedding's and head's, and the check
+    assert len(ahead) == len(set(ahead)) == 9 and ahead[-1].startswith("8:_all_finite")
+    assert sorted(called) == sorted(ahead[:-1])
+    assert timeline[-1].startswith("  100% of the parameters' bytes placed at ")
