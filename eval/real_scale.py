@@ -104,51 +104,55 @@ def child(module: str, argv: list[str]) -> None:
 def trace_load():
     """(profiled loads) Time the loader's threads, which a profile of the calling thread does not
     see: when the compiling thread took and finished each program (`sharding.compiling_ahead`), how
-    long the placing threads' calls of each program took (a first call waiting for its compile, or
-    for the lock, shows here), and when each parameter was done. Returns a function that prints the
-    timeline to stderr, in seconds from now."""
+    long the placing threads took over each kind of tensor (`place_param`: its transfer and its
+    program's call, which waits while that program compiles) and each fusion, and when the
+    parameters were done. Returns a function that prints the timeline to stderr, in seconds from now."""
     import threading
 
-    from acache_jax import checkpoint, sharding
+    from acache_jax import checkpoint
 
     t0 = time.perf_counter()
-    ahead, call, read = checkpoint.compiling_ahead, sharding._call, checkpoint.read_hf
+    ahead, place, fuse, read = (checkpoint.compiling_ahead, checkpoint.place_param, checkpoint.fuse_param,
+                                checkpoint.read_hf)
     compiled: list[tuple[str, float, float]] = []  # (program, taken, done)
-    calls: dict[str, list[float]] = {}  # program -> seconds of each call
+    calls: dict[str, list[float]] = {}  # kind of call -> seconds of each
     done: list[tuple[int, float]] = []  # (bytes, when) of each parameter handed out
-    names: dict = {}
-
-    def name(program, inputs) -> str:
-        signature = sharding._signature(program, inputs)
-        shapes = " ".join("x".join(map(str, a.shape)) for a in inputs if hasattr(a, "shape"))
-        return names.setdefault(signature, f"{len(names)}:{getattr(program, '__name__', '?')}({shapes})")
+    shapes = lambda arrays: " ".join("x".join(map(str, a.shape)) for a in arrays if hasattr(a, "shape"))  # noqa: E731
 
     def timed_ahead(programs):
         def each():
-            for program, inputs in programs:
+            for i, (program, inputs) in enumerate(programs):
                 taken = time.perf_counter() - t0
                 yield program, inputs
-                compiled.append((name(program, inputs), taken, time.perf_counter() - t0))
+                compiled.append((f"{i}:{getattr(program, '__name__', '?')}({shapes(inputs)})", taken,
+                                 time.perf_counter() - t0))
         return ahead(each())
 
-    def timed_call(program, *arrays):
+    def timed(kind: str, function, *args, **kwargs):
         started = time.perf_counter()
-        out = call(program, *arrays)
-        calls.setdefault(name(program, arrays), []).append(time.perf_counter() - started)
+        out = function(*args, **kwargs)
+        calls.setdefault(kind, []).append(time.perf_counter() - started)
         return out
+
+    def timed_place(path, array, *args, **kwargs):
+        kind = f"place ({shapes([array])}{', transposed' if kwargs.get('transposed') else ''})"
+        return timed(kind, place, path, array, *args, **kwargs)
+
+    def timed_fuse(path, parts, *args, **kwargs):
+        return timed(f"fuse {path[-2]} ({shapes(parts)})", fuse, path, parts, *args, **kwargs)
 
     def timed_read(*args, **kwargs):
         for path, array in read(*args, **kwargs):
             done.append((array.nbytes, time.perf_counter() - t0))
             yield path, array
 
-    checkpoint.compiling_ahead, sharding._call, checkpoint.read_hf = timed_ahead, timed_call, timed_read
+    checkpoint.compiling_ahead, checkpoint.place_param, checkpoint.fuse_param, checkpoint.read_hf = (
+        timed_ahead, timed_place, timed_fuse, timed_read)
 
     def report() -> None:
         lines = [f"load timeline, seconds from the start ({threading.active_count()} threads alive):"]
         lines += [f"  compiled ahead {n}: taken {a:.2f}, done {b:.2f}" for n, a, b in compiled]
-        lines += [f"  called {n}: {len(t)} calls, {sum(t):.2f} s in all, longest {max(t):.3f} s"
-                  for n, t in calls.items()]
+        lines += [f"  {n}: {len(t)} calls, {sum(t):.2f} s in all, longest {max(t):.3f} s" for n, t in calls.items()]
         total, placed, marks = sum(n for n, _ in done), 0, [0.1, 0.25, 0.5, 0.75, 1.0]
         for nbytes, when in done:
             placed += nbytes
