@@ -68,32 +68,40 @@ def nnx_leaves(model):
     return [(tuple(k.key for k in path), leaf) for path, leaf in flat]
 
 
-def foreseen_and_called(checkpoint, sharding) -> tuple[list, set]:
-    """Record, from here on, the signatures a snapshot load compiles ahead and those its placing
-    programs are called with (test_convert checks the same without a mesh)."""
+def foreseen_and_called(set_attr=setattr) -> tuple[list, set]:
+    """Record, from here on, the signatures a snapshot load compiles ahead (its finiteness check
+    included) and those its placing programs are called with (here on meshes; test_convert without
+    one). set_attr: how to patch (pytest's `monkeypatch.setattr` undoes it after the test)."""
+    from acache_jax import checkpoint, sharding
+
     foreseen, called = [], set()
     ahead, call = checkpoint.compiling_ahead, sharding._call
 
     def recording_ahead(programs):
         programs = list(programs)
-        foreseen.extend(sharding._signature(p, inputs) for p, inputs in programs if p is not checkpoint._all_finite)
+        foreseen.extend(sharding._signature(p, inputs) for p, inputs in programs)
         return ahead(programs)
 
     def recording_call(program, *arrays):
         called.add(sharding._signature(program, arrays))
         return call(program, *arrays)
 
-    checkpoint.compiling_ahead, sharding._call = recording_ahead, recording_call
+    set_attr(checkpoint, "compiling_ahead", recording_ahead)
+    set_attr(sharding, "_call", recording_call)
     return foreseen, called
 
 
 def check_loading(workdir: Path) -> None:
     """Loading on a mesh: split leaves, no whole split tensor on one device at any point of the read;
     the programs compiled ahead are those the placing then calls."""
-    from acache_jax import checkpoint, sharding
+    from acache_jax import checkpoint
 
     dirs = model_dirs(workdir)
-    foreseen, called = foreseen_and_called(checkpoint, sharding)
+    foreseen, called = foreseen_and_called()
+
+    def placing_compiled_ahead() -> None:  # the finiteness check is not called through sharding._call
+        placing = [s for s in foreseen if s[0] is not checkpoint._all_finite]
+        assert len(placing) == len(set(placing)) and set(placing) == called, (len(placing), len(called))
     watched = []
     reading = checkpoint.progress
 
@@ -110,7 +118,7 @@ def check_loading(workdir: Path) -> None:
     finally:
         checkpoint.progress = reading
     assert len(watched) > 10 and not any(watched), [w for w in watched if w][:3]
-    assert len(foreseen) == len(set(foreseen)) and set(foreseen) == called, (len(foreseen), len(called))
+    placing_compiled_ahead()
     check_sharded(model, 4)
     bytes_per_device = {}
     for _, leaf in nnx_leaves(model):
@@ -129,7 +137,7 @@ def check_loading(workdir: Path) -> None:
         called.clear()
         dream = acache_jax.load(src, dtype="float32", mesh=make_mesh(4))
         if src == dirs["dream"]:  # a snapshot, KV heads copied on the mesh
-            assert len(foreseen) == len(set(foreseen)) and set(foreseen) == called, (len(foreseen), len(called))
+            placing_compiled_ahead()
         assert dream.config.num_kv_heads == 4, dream.config
         check_sharded(dream, 4)
         single = acache_jax.load(src, dtype="float32")

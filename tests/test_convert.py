@@ -203,22 +203,10 @@ def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypa
 
     from acache_jax import checkpoint, sharding
     from acache_jax.hf_checkpoint import key_map
+    from tests.mesh_checks import foreseen_and_called
 
     src = _hf(tmp_path, cfg, shards=2)
-    foreseen, called = [], set()
-    ahead, call = checkpoint.compiling_ahead, sharding._call
-
-    def recording_ahead(programs):
-        programs = list(programs)
-        foreseen.extend(sharding._signature(p, inputs) for p, inputs in programs)
-        return ahead(programs)
-
-    def recording_call(program, *arrays):
-        called.add(sharding._signature(program, arrays))
-        return call(program, *arrays)
-
-    monkeypatch.setattr(checkpoint, "compiling_ahead", recording_ahead)
-    monkeypatch.setattr(sharding, "_call", recording_call)
+    foreseen, called = foreseen_and_called(monkeypatch.setattr)
     model = acache_jax.load(src, dtype="bfloat16")  # the files hold float32: every tensor is cast
     leaves = [a for _, a in checkpoint._finite_order(checkpoint._flatten(nnx.to_pure_dict(model.params)))]
     called.add(sharding._signature(checkpoint._all_finite, (leaves,)))
