@@ -32,16 +32,17 @@ from jax.sharding import Mesh
 
 from acache_jax import compile_cache
 from acache_jax.cli import DEFAULT_MODEL, Parser, add_compile_cache, positive, threshold
-from acache_jax.acache import AffixCache, build_affix_cache
-from acache_jax.checkpoint import load
-from acache_jax.config import ATTENTION_BACKENDS, CACHE_POLICIES, FIELD_KINDS, SELECTORS, DecodeConfig, InputError
-from acache_jax.decode import check_policy, generate
+from acache_jax.decoding.acache import AffixCache, build_affix_cache
+from acache_jax.decoding.decode import check_policy, generate
+from acache_jax.decoding.layout import (AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_affix, check_request,
+                                        token_ids)
 from acache_jax.engine import Engine
 from acache_jax.engine.engine import check_engine_config
-from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_affix, check_request, token_ids
-from acache_jax.model import Model, check_text
-from acache_jax.sampling import DreamAlg, Remasking
-from acache_jax.sharding import initialize_distributed, make_mesh
+from acache_jax.network.checkpoint import load
+from acache_jax.network.config import (ATTENTION_BACKENDS, CACHE_POLICIES, FIELD_KINDS, SELECTORS, DecodeConfig,
+                                       DreamAlg, InputError, Remasking)
+from acache_jax.network.model import Model, check_text
+from acache_jax.network.sharding import initialize_distributed, make_mesh
 
 # Per-request keys of --input lines that map onto DecodeConfig fields: every field but classifier-free
 # guidance (not a flag: likelihood scoring's) and the attention backend (--backend, for the whole run).

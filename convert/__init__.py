@@ -1,6 +1,6 @@
 """HF LLaDA/Dream checkpoints -> acache-jax checkpoints: `python -m convert SRC_DIR DST_DIR`.
 
-The checkpoint layout itself lives in `acache_jax.hf_checkpoint` (the library reads HF snapshots
+The checkpoint layout itself lives in `acache_jax.network.hf_checkpoint` (the library reads HF snapshots
 directly too); this package is the command that writes our format from it.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from acache_jax.checkpoint import DTYPES, check_destination, read_hf, save
-from acache_jax.config import ModelConfig, read_json
-from acache_jax.hf_checkpoint import CheckpointError
+from acache_jax.network.checkpoint import DTYPES, check_destination, read_hf, save
+from acache_jax.network.config import ModelConfig, read_json
+from acache_jax.network.hf_checkpoint import CheckpointError
 
 __all__ = ["CheckpointError", "convert"]
 

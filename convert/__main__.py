@@ -6,7 +6,7 @@ import signal
 import sys
 from pathlib import Path
 
-from acache_jax.config import InputError
+from acache_jax.network.config import InputError
 from convert import convert
 
 

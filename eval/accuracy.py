@@ -17,12 +17,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.acache import build_affix_cache
-from acache_jax.checkpoint import load
-from acache_jax.config import CACHE_POLICIES, DecodeConfig, InputError
-from acache_jax.decode import generate
-from acache_jax.files import check_output_path, write_atomic
-from acache_jax.model import Model
+from acache_jax.decoding.acache import build_affix_cache
+from acache_jax.decoding.decode import generate
+from acache_jax.network.checkpoint import load
+from acache_jax.network.config import CACHE_POLICIES, DecodeConfig, InputError
+from acache_jax.network.files import check_output_path, write_atomic
+from acache_jax.network.model import Model
 from eval.tasks import MAX_SHOTS, STUDY_TASKS, Example, eval_split, get_task
 from eval.tasks.babi import binding_stories
 from eval.tasks.layouts import PLACEMENTS, Placement, affix_ids, encoder, request

@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from acache_jax import compile_cache
-from acache_jax.checkpoint import load
-from acache_jax.config import DecodeConfig
-from acache_jax.files import write_atomic
+from acache_jax.network.checkpoint import load
+from acache_jax.network.config import DecodeConfig
+from acache_jax.network.files import write_atomic
 from eval.accuracy import full_recompute, score
 from eval.tasks import STUDY_TASKS
 

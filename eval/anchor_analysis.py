@@ -22,12 +22,12 @@ import jax
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.acache import build_affix_cache, hkvd_deviation, probe_importance
-from acache_jax.checkpoint import load
-from acache_jax.config import anchor_count
-from acache_jax.layout import make_batch
-from acache_jax.model import Model
-from acache_jax.files import write_atomic
+from acache_jax.decoding.acache import build_affix_cache, hkvd_deviation, probe_importance
+from acache_jax.decoding.layout import make_batch
+from acache_jax.network.checkpoint import load
+from acache_jax.network.config import anchor_count
+from acache_jax.network.files import write_atomic
+from acache_jax.network.model import Model
 from eval.tasks import eval_split, get_task
 from eval.tasks.base import words
 from eval.tasks.layouts import affix_ids, encoder, request

@@ -5,7 +5,7 @@
 
 The attention probe is one forward over a request's non-affix tokens (prompt + gen_length masks)
 against the shared affix K/V, scoring affix keys by the mask queries' attention (see
-acache_jax/acache.py), then top-K; hkvd is one full forward over the request with its affix;
+acache_jax/decoding/acache.py), then top-K; hkvd is one full forward over the request with its affix;
 hkvd_block one over the affix, the prompt and the first block's masks only (the request's text and
 first block, which are what hkvd's deviation signal comes from, docs/RESULTS.md). Reported
 per selector: median time of the jitted selection per batch, per request, and against the attention
@@ -22,8 +22,8 @@ import jax
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.acache import build_affix_cache, select_anchors_jit
-from acache_jax.layout import Request, make_batch
+from acache_jax.decoding.acache import build_affix_cache, select_anchors_jit
+from acache_jax.decoding.layout import Request, make_batch
 from eval.bench_decode import llada_8b, median_seconds, random_model
 
 

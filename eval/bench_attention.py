@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.files import write_atomic
+from acache_jax.network.files import write_atomic
 from pallas_kernels import anchor_importance, gathered_attention
 
 PAGE = 16  # slots per pool block in the benchmark's slot maps
@@ -119,12 +119,12 @@ def check_decode() -> dict:
     top-2 logit) at the first differing position tells a near-tie from a bug."""
     from flax import nnx
 
-    from acache_jax.acache import build_affix_cache
-    from acache_jax.config import DecodeConfig, ModelConfig
-    from acache_jax.decode import generate
+    from acache_jax.decoding.acache import build_affix_cache
+    from acache_jax.decoding.decode import generate
+    from acache_jax.decoding.layout import Request
     from acache_jax.engine import Engine
-    from acache_jax.layout import Request
-    from acache_jax.model import Model, Transformer
+    from acache_jax.network.config import DecodeConfig, ModelConfig
+    from acache_jax.network.model import Model, Transformer
 
     cfg = ModelConfig(family="llada", vocab_size=512, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=4,
                       head_dim=64, intermediate_size=512, rope_theta=THETA, rms_norm_eps=1e-5, max_seq_len=1024,

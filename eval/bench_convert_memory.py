@@ -82,7 +82,7 @@ def main() -> None:
         src.mkdir()
         cfg = llada_shaped_config(args.layers)
         total, largest = write_synthetic(src, cfg)
-        from acache_jax.config import ModelConfig
+        from acache_jax.network.config import ModelConfig
 
         params = ModelConfig.from_hf(cfg).num_params
         baseline, _ = peak_rss_of([sys.executable, "-c", "import convert.__main__, orbax.checkpoint"])

@@ -29,15 +29,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from acache_jax import compile_cache
-from acache_jax.acache import build_affix_cache, select_anchors_jit
-from acache_jax.attention import cudnn_attention, dense_attention
-from acache_jax.config import DecodeConfig, ModelConfig
-from acache_jax.decode import decode_batch
-from acache_jax.layout import Request, make_batch
-from acache_jax.kv import KVPool, read_set, rows_access
-from acache_jax.model import ForwardInputs, Model, abstract_transformer
-from acache_jax.files import write_atomic
-from acache_jax.sharding import make_mesh, param_sharding, place_rows, sharded_config, use_mesh
+from acache_jax.decoding.acache import build_affix_cache, select_anchors_jit
+from acache_jax.decoding.decode import decode_batch
+from acache_jax.decoding.layout import Request, make_batch
+from acache_jax.network.attention import cudnn_attention, dense_attention
+from acache_jax.network.config import DecodeConfig, ModelConfig
+from acache_jax.network.files import write_atomic
+from acache_jax.network.kv import KVPool, read_set, rows_access
+from acache_jax.network.model import ForwardInputs, Model, abstract_transformer
+from acache_jax.network.sharding import make_mesh, param_sharding, place_rows, sharded_config, use_mesh
 from pallas_kernels import rope
 
 PEAK_TFLOPS = 800.0  # bf16 dense matmul measured on one H200 (8192^3 product, random data)

@@ -35,11 +35,11 @@ import jax
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.config import DecodeConfig, ModelConfig
+from acache_jax.decoding.layout import Request
 from acache_jax.engine import Engine
 from acache_jax.engine.engine import ENGINE_SELECTORS
-from acache_jax.layout import Request
-from acache_jax.files import write_atomic
+from acache_jax.network.config import DecodeConfig, ModelConfig
+from acache_jax.network.files import write_atomic
 from eval.bench_decode import PEAK_TFLOPS, llada_8b, parse_meshes, random_model
 
 SHOT_TOKENS = 230

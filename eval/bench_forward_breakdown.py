@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.kv import read_set, rows_access
-from acache_jax.model import ForwardInputs
+from acache_jax.network.kv import read_set, rows_access
+from acache_jax.network.model import ForwardInputs
 from eval.bench_decode import forward_flops, llada_8b, median_seconds, pool_from_rows, random_model
 
 

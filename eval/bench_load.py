@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.config import ModelConfig
-from acache_jax.hf_checkpoint import ST_DTYPES, ST_ITEMSIZE, checked_tensors, map_tensor
+from acache_jax.network.config import ModelConfig
+from acache_jax.network.hf_checkpoint import ST_DTYPES, ST_ITEMSIZE, checked_tensors, map_tensor
 
 snap = Path(sys.argv[1])
 only = set(sys.argv[2:])
@@ -74,8 +74,7 @@ ON_DEVICE = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
 
 if not only or "load" in only:
     import acache_jax
-    from acache_jax import checkpoint as ck
-
+    from acache_jax.network import checkpoint as ck
     def clock(name, fn):
         def wrapped(*a, **k):
             t = time.perf_counter()
@@ -98,8 +97,7 @@ if not only or "load" in only:
     timed_load("#1 (as is)")
     ck.PLACE_THREADS, ck.IN_FLIGHT_BYTES = 8, 2 << 30
     timed_load("threads 8, 2 GiB in flight")
-    from acache_jax import sharding
-
+    from acache_jax.network import sharding
     original = sharding.place_param
 
     def place_pinned(path, array, *a, **k):

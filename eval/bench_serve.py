@@ -35,9 +35,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.checkpoint import load
-from acache_jax.files import check_output_path, write_atomic
 from acache_jax.cli import DEFAULT_MODEL
+from acache_jax.network.checkpoint import load
+from acache_jax.network.files import check_output_path, write_atomic
 from eval.bench_traffic import add_common_flags, counting_compiles, shaped_model
 
 

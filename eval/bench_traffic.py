@@ -33,11 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.acache import build_affix_cache
-from acache_jax.checkpoint import load
+from acache_jax.decoding.acache import build_affix_cache
+from acache_jax.decoding.layout import AFFIX_POSITIONS, Request
 from acache_jax.engine import Engine
-from acache_jax.files import check_output_path, write_atomic
-from acache_jax.layout import AFFIX_POSITIONS, Request
+from acache_jax.network.checkpoint import load
+from acache_jax.network.files import check_output_path, write_atomic
 
 POLICIES = {"baseline": "dual", "acache": "acache"}
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from acache_jax import compile_cache
-from acache_jax.config import ModelConfig
+from acache_jax.network.config import ModelConfig
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.train import SIZES, Recipe, TrainState, initial_model, model_config, optimizer, train_step
 from eval.train_data import Mixture, Pool, build_pool

@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.checkpoint import load
-from acache_jax.config import SELECTORS
-from acache_jax.decode import generate
+from acache_jax.decoding.decode import generate
 from acache_jax.engine import Engine
-from acache_jax.files import check_output_path, write_atomic
-from acache_jax.model import Model
+from acache_jax.network.checkpoint import load
+from acache_jax.network.config import SELECTORS
+from acache_jax.network.files import check_output_path, write_atomic
+from acache_jax.network.model import Model
 from eval.tasks import STUDY_TASKS, eval_split, get_task
 from eval.tasks.layouts import PLACEMENTS, affix_ids, encoder, request
 

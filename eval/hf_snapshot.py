@@ -64,7 +64,7 @@ The tokenizers, built so that the special and added tokens sit at their real ids
   adds no BOS (as observed). "\\n\\n" encodes as 198, 198 as observed (no such merge in our vocabulary).
 - Dream: vocab.json + merges.txt as the real files are laid out, read by our loader as Qwen2's BPE.
 
-Weights: every tensor our loader expects (acache_jax.hf_checkpoint.key_map), bf16, matrices and biases
+Weights: every tensor our loader expects (acache_jax.network.hf_checkpoint.key_map), bf16, matrices and biases
 ~N(0, 0.02), norms ~1 + N(0, 0.1). At 8B size nothing is drawn per value: one pool of ~64 MB of random bf16
 values is drawn once and every tensor is written as slices of it from a random offset (a prime pool length,
 so rows of a matrix never repeat). Each shard is streamed to disk tensor by tensor under a hand-written
@@ -85,9 +85,9 @@ from typing import Any, BinaryIO, Literal
 import ml_dtypes
 import numpy as np
 
-from acache_jax.config import ModelConfig
-from acache_jax.files import write_atomic
-from acache_jax.hf_checkpoint import INDEX_FILE, key_map
+from acache_jax.network.config import ModelConfig
+from acache_jax.network.files import write_atomic
+from acache_jax.network.hf_checkpoint import INDEX_FILE, key_map
 
 Family = Literal["llada", "dream"]
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from acache_jax.files import write_atomic
+from acache_jax.network.files import write_atomic
 from eval.tasks import STUDY_TASKS, Example, eval_split, get_task
 from eval.tasks.babi import PLACES
 from eval.tasks.base import answer_number

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from acache_jax.files import write_atomic
+from acache_jax.network.files import write_atomic
 
 
 def plot_losses(losses_json: str | Path, png: str | Path, smooth: int = 50) -> None:

@@ -109,8 +109,7 @@ def trace_load():
     parameters were done. Returns a function that prints the timeline to stderr, in seconds from now."""
     import threading
 
-    from acache_jax import checkpoint
-
+    from acache_jax.network import checkpoint
     t0 = time.perf_counter()
     ahead, place, fuse, read = (checkpoint.compiling_ahead, checkpoint.place_param, checkpoint.fuse_param,
                                 checkpoint.read_hf)
@@ -321,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # this process never takes the GPU (or its memory) from its children
-    from acache_jax.files import write_atomic  # here: a child imports the library as the user's process would
+    from acache_jax.network.files import write_atomic  # here: a child imports the library as the user's process would
 
     root = Path(__file__).resolve().parents[1]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="real-scale-"))

@@ -11,7 +11,7 @@ rows whose values are a fixed function of their keys, with one value masked and 
 final mask scored against the query's fixed value. Each rewards one half of the recall circuit on
 its own (copy a key into its value's position; fetch the query into the mask's), as
 `eval.tasks.babi`'s routine stories do for bAbI. `ours` is the
-LLaDA-arch `acache_jax.model.Transformer` (2 layers, width 128, RoPE) initialised as
+LLaDA-arch `acache_jax.network.model.Transformer` (2 layers, width 128, RoPE) initialised as
 `eval.train.initial_model` does; `abs` and `rope` are an independent plain-jnp pre-norm transformer
 of the same size with learned absolute position embeddings or with RoPE instead. Prints the
 answer accuracy every 200 steps (chance among the in-context values: 1/P).
@@ -32,8 +32,8 @@ import optax
 from flax import nnx
 
 from acache_jax import compile_cache
-from acache_jax.config import ModelConfig
-from acache_jax.model import ForwardInputs
+from acache_jax.network.config import ModelConfig
+from acache_jax.network.model import ForwardInputs
 from pallas_kernels.gathered_attention import rope
 
 VOCAB, MASK, KEYS, VALUES, FILLER = 128, 2, (10, 40), (50, 80), 100

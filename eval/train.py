@@ -36,10 +36,10 @@ import optax
 from flax import nnx
 
 from acache_jax import compile_cache
-from acache_jax.config import DecodeConfig, ModelConfig
-from acache_jax.model import ForwardInputs, Transformer
-from acache_jax.files import write_atomic
-from acache_jax.hf_checkpoint import export_hf
+from acache_jax.network.config import DecodeConfig, ModelConfig
+from acache_jax.network.files import write_atomic
+from acache_jax.network.hf_checkpoint import export_hf
+from acache_jax.network.model import ForwardInputs, Transformer
 from eval.tasks import STUDY_TASKS
 from eval.tasks.layouts import GEN_LENGTH
 from eval.tokenizer import build_tokenizer, save_tokenizer, special_ids
@@ -126,7 +126,7 @@ def starting_point(cfg: ModelConfig, recipe: Recipe, seed: int,
     """(graphdef, float32 params) of a fresh network, or of the exported model in `init` (fine-tuning)."""
     if init is None:
         return nnx.split(initial_model(cfg, recipe, seed))
-    from acache_jax.checkpoint import load
+    from acache_jax.network.checkpoint import load
 
     model = load(init, "float32")
     if model.config != cfg:
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
         plot_losses(args.out / "losses.json", args.out / "loss.png")
     if args.eval_n:
-        from acache_jax.checkpoint import load
+        from acache_jax.network.checkpoint import load
         from eval.accuracy import grid
 
         rows = grid(load(args.out), args.eval_tasks.split(","), args.eval_n)

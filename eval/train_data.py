@@ -1,6 +1,6 @@
 """Training sequences: a seeded mixture of the tasks in every layout, encoded once into a pool.
 
-Each sequence is laid out as `acache_jax.layout` lays out a request at inference (prompt and any
+Each sequence is laid out as `acache_jax.decoding.layout` lays out a request at inference (prompt and any
 prefix/infix affix, the generation region, then any suffix affix), with the answer and END padding
 in the generation region, right-padded to the pool's length. The pool depends only on the seed and
 its size (chunks are seeded by index), not on the number of worker processes.

@@ -18,11 +18,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import acache_jax  # noqa: E402
 from acache_jax import Engine  # noqa: E402
-from acache_jax.config import DecodeConfig  # noqa: E402
-from acache_jax.decode import generate  # noqa: E402
-from acache_jax.layout import Request  # noqa: E402
-from acache_jax.config import ModelConfig  # noqa: E402
-from acache_jax.sharding import MeshError, check_mesh, make_mesh, param_axes, split_qkv  # noqa: E402
+from acache_jax.decoding.decode import generate  # noqa: E402
+from acache_jax.decoding.layout import Request  # noqa: E402
+from acache_jax.network.config import DecodeConfig  # noqa: E402
+from acache_jax.network.config import ModelConfig  # noqa: E402
+from acache_jax.network.sharding import MeshError, check_mesh, make_mesh, param_axes, split_qkv  # noqa: E402
 from tests import hf_checkpoints  # noqa: E402
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "decode"
@@ -72,8 +72,7 @@ def foreseen_and_called(set_attr=setattr) -> tuple[list, set]:
     """Record, from here on, the signatures a snapshot load compiles ahead (its finiteness check
     included) and those its placing programs are called with (here on meshes; test_convert without
     one). set_attr: how to patch (pytest's `monkeypatch.setattr` undoes it after the test)."""
-    from acache_jax import checkpoint, sharding
-
+    from acache_jax.network import checkpoint, sharding
     foreseen, called = [], set()
     ahead, call = checkpoint.compiling_ahead, sharding._call
 
@@ -94,8 +93,7 @@ def foreseen_and_called(set_attr=setattr) -> tuple[list, set]:
 def check_loading(workdir: Path) -> None:
     """Loading on a mesh: split leaves, no whole split tensor on one device at any point of the read;
     the programs compiled ahead are those the placing then calls."""
-    from acache_jax import checkpoint
-
+    from acache_jax.network import checkpoint
     dirs = model_dirs(workdir)
     foreseen, called = foreseen_and_called()
 
@@ -232,8 +230,8 @@ def check_fusion_is_local(workdir: Path) -> None:
     parameter from its placed parts (MHA LLaDA; Dream-GQA, split by KV head at tp 2 and with its KV
     heads copied at tp 4) and the re-layout of a converted qkv leaf for the copies compile to no
     collective."""
-    from acache_jax import sharding
-    from acache_jax.hf_checkpoint import key_map
+    from acache_jax.network import sharding
+    from acache_jax.network.hf_checkpoint import key_map
 
     for directory, tp in itertools.product((FIXTURES / "llada", dream_gqa(workdir)), (2, 4)):
         mesh = make_mesh(tp)
@@ -263,8 +261,8 @@ def check_hlo(workdir: Path) -> None:
     all-gather of a weight or of the pool; the sampler's max over the vocabulary-split logits
     gathers only [rows, block, tp] partials."""
     from acache_jax.engine import runner
-    from acache_jax.model import ForwardInputs, _jit_forward
-    from acache_jax.sharding import use_mesh
+    from acache_jax.network.model import ForwardInputs, _jit_forward
+    from acache_jax.network.sharding import use_mesh
 
     check_fusion_is_local(workdir)
     model = acache_jax.load(FIXTURES / "llada", dtype="float32", mesh=make_mesh(4))

@@ -10,12 +10,12 @@ import pytest
 from flax import nnx
 
 import acache_jax
-from acache_jax.acache import build_affix_cache, probe_importance
-from acache_jax.config import DecodeConfig, InputError
-from acache_jax.decode import decode_batch, generate
-from acache_jax.layout import Request, make_batch
-from acache_jax.model import ForwardInputs
-from acache_jax.sharding import split_parts
+from acache_jax.decoding.acache import build_affix_cache, probe_importance
+from acache_jax.decoding.decode import decode_batch, generate
+from acache_jax.decoding.layout import Request, make_batch
+from acache_jax.network.config import DecodeConfig, InputError
+from acache_jax.network.model import ForwardInputs
+from acache_jax.network.sharding import split_parts
 
 AFFIX = list(range(30, 54))  # 24 tokens
 REQUESTS = [

@@ -8,9 +8,9 @@ import json
 import pytest
 
 import acache_jax
-from acache_jax.config import DecodeConfig
-from acache_jax.decode import generate
-from acache_jax.layout import Request
+from acache_jax.decoding.decode import generate
+from acache_jax.decoding.layout import Request
+from acache_jax.network.config import DecodeConfig
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -7,9 +7,9 @@ import pytest
 
 from flax import nnx
 
-from acache_jax.config import DecodeConfig
-from acache_jax.model import Transformer
-from acache_jax.hf_checkpoint import export_hf
+from acache_jax.network.config import DecodeConfig
+from acache_jax.network.hf_checkpoint import export_hf
+from acache_jax.network.model import Transformer
 from eval import affix_sweep
 from eval.accuracy import Score
 from eval.affix_sweep import main

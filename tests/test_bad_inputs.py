@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import acache_jax
 from acache_jax import AffixCache, DecodeConfig, Engine, InputError, Request
-from acache_jax.decode import generate
+from acache_jax.decoding.decode import generate
 from acache_jax.generate import main
 from tests.cli_process import run_cli
 from tests.hf_checkpoints import llada_config, random_weights, write_checkpoint

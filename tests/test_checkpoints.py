@@ -20,8 +20,8 @@ import pytest
 
 import acache_jax
 from acache_jax import generate as generate_cli
-from acache_jax.config import ConfigError, DecodeConfig
-from acache_jax.tokenizer import import_transformers
+from acache_jax.network.config import ConfigError, DecodeConfig
+from acache_jax.network.tokenizer import import_transformers
 from convert import convert
 from eval import hf_snapshot
 from tests.test_readme import PARSE

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import acache_jax
-from acache_jax.config import ConfigError
+from acache_jax.network.config import ConfigError
 from convert import CheckpointError, convert
 from tests.hf_checkpoints import dream_config, llada_config, random_weights, write_checkpoint
 
@@ -135,13 +135,13 @@ def test_load_rejects_non_model_directory(tmp_path):
 def test_tensor_larger_than_the_write_limit_converts(tmp_path, monkeypatch):
     """Orbax refuses to write a tensor larger than its in-flight byte limit (a real 8B model's 1 GB
     embedding against the 1 GB default): the converter raises the limit to the largest tensor."""
-    import acache_jax.checkpoint
+    import acache_jax.network.checkpoint
 
     cfg = llada_config()
     src = _hf(tmp_path, cfg, shards=2)
     embed = random_weights(cfg, seed=1)["model.transformer.wte.weight"]
     limit = embed.nbytes // 4
-    monkeypatch.setattr(acache_jax.checkpoint, "SAVE_IN_FLIGHT_BYTES", limit)
+    monkeypatch.setattr(acache_jax.network.checkpoint, "SAVE_IN_FLIGHT_BYTES", limit)
     dst = convert(src, tmp_path / "out", dtype="float32")
     converted, snapshot = acache_jax.load(dst), acache_jax.load(src, dtype="float32")
     for (path, a), (_, b) in zip(jax_leaves(converted), jax_leaves(snapshot), strict=True):
@@ -162,8 +162,8 @@ def test_the_host_only_reads_bytes_the_device_transposes_and_casts(tmp_path, mon
     layout, float32 here), and the device makes our [in, out] bfloat16 kernels of it."""
     import jax
 
-    from acache_jax.hf_checkpoint import key_map
-    from acache_jax.sharding import split_parts
+    from acache_jax.network.hf_checkpoint import key_map
+    from acache_jax.network.sharding import split_parts
 
     weights = random_weights(cfg, seed=3)
     src = _hf(tmp_path, cfg, shards=2, weights=weights)
@@ -201,8 +201,8 @@ def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypa
     a program on the loading threads, and nothing is compiled that no call needs."""
     from flax import nnx
 
-    from acache_jax import checkpoint, sharding
-    from acache_jax.hf_checkpoint import key_map
+    from acache_jax.network import checkpoint, sharding
+    from acache_jax.network.hf_checkpoint import key_map
     from tests.mesh_checks import foreseen_and_called
 
     src = _hf(tmp_path, cfg, shards=2)
@@ -228,8 +228,7 @@ def test_loads_build_the_abstract_model_once_on_the_compiling_thread(tmp_path, m
     import jax
     from flax import nnx
 
-    from acache_jax import checkpoint
-
+    from acache_jax.network import checkpoint
     src = _hf(tmp_path, llada_config(), shards=2)
     built = []
     build = checkpoint.abstract_transformer
@@ -255,7 +254,7 @@ def test_snapshot_load_export_gives_back_the_same_tensors(tmp_path, cfg, dtype):
     import ml_dtypes
     from safetensors.numpy import load_file
 
-    from acache_jax.hf_checkpoint import export_hf
+    from acache_jax.network.hf_checkpoint import export_hf
 
     weights = {k: w.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32)
                for k, w in random_weights(cfg, seed=4).items()}
@@ -300,8 +299,7 @@ def test_both_formats_run_the_same_programs(tmp_path, monkeypatch):
     """A converted directory's weights are placed as a snapshot's are (uncommitted, and checked for
     NaN in the same order): each program over them is the same, and so is its compilation cache entry."""
     import jax
-    from acache_jax import checkpoint
-
+    from acache_jax.network import checkpoint
     src = _hf(tmp_path, llada_config(), shards=2)
     dst = convert(src, tmp_path / "converted", dtype="float32")
     checks, all_finite = [], checkpoint._all_finite

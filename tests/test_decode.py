@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import acache_jax
-from acache_jax import decode, sampling
-from acache_jax.config import DecodeConfig, DecodeError
-from acache_jax.decode import generate
-from acache_jax.layout import Request, RequestError
+from acache_jax.decoding import decode, sampling
+from acache_jax.decoding.decode import generate
+from acache_jax.decoding.layout import Request, RequestError
+from acache_jax.network.config import DecodeConfig, DecodeError
 
 PROMPTS = [[5, 17, 33, 2, 90], [11, 3, 3, 64, 101, 7, 45, 19, 8, 100, 2], [23, 99], [1, 2, 3, 4, 5, 6, 7]]
 

@@ -7,8 +7,8 @@ import json
 import pytest
 
 import acache_jax
-from acache_jax.config import DecodeConfig
-from acache_jax.decode import generate
+from acache_jax.decoding.decode import generate
+from acache_jax.network.config import DecodeConfig
 
 
 def _groups(fixtures_dir, family):

@@ -8,7 +8,7 @@ import pytest
 
 import acache_jax
 from acache_jax import Engine, Request
-from acache_jax.decode import generate
+from acache_jax.decoding.decode import generate
 
 MODEL = Path(acache_jax.__file__).resolve().parent / "models" / "llada-small"
 QUESTIONS = ["Story: Mary moved to the bathroom. John went to the hallway. Mary travelled to the garden. "

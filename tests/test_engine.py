@@ -11,10 +11,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import acache_jax
-from acache_jax.config import DecodeConfig, DecodeError
-from acache_jax.decode import generate
+from acache_jax.decoding.decode import generate
+from acache_jax.decoding.layout import Request, RequestError
 from acache_jax.engine import Engine, RequestTooLargeError, runner
-from acache_jax.layout import Request, RequestError
+from acache_jax.network.config import DecodeConfig, DecodeError
 
 AFFIX = list(range(30, 53))  # 23 tokens
 REQUESTS = [
@@ -267,7 +267,7 @@ def test_bucketed_affix_caches_share_their_programs(model):
     pool by the same programs, where each new length compiled two (a server meets a new length with
     every discovered span), and a padded cache serves the static path's tokens. (The first parity
     case's config and engine: their programs are compiled already.)"""
-    from acache_jax.acache import _first_rows, build_affix_cache
+    from acache_jax.decoding.acache import _first_rows, build_affix_cache
 
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
     programs = lambda: np.asarray([runner.fill_affix._cache_size(), _first_rows._cache_size()])

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from acache_jax.config import anchor_count
-from acache_jax.config import ModelConfig
+from acache_jax.decoding.layout import Request, RequestError, Row, make_batch
 from acache_jax.engine.block_manager import BlockManager, PoolFullError
 from acache_jax.engine.scheduler import RequestTooLargeError, Scheduler
 from acache_jax.engine.sequence import SequenceState, SequenceStatus
-from acache_jax.layout import Request, RequestError, Row, make_batch
+from acache_jax.network.config import anchor_count
+from acache_jax.network.config import ModelConfig
 
 MASK = 999
 AFFIX_LENS = {"a": 5, "b": 12, "c": 30}  # affix key -> affix length
@@ -368,8 +368,8 @@ def test_a_step_runs_on_a_compiled_token_axis_within_the_padding_bound():
     traffic that is far fewer programs than one per bucket."""
     from types import SimpleNamespace
 
+    from acache_jax.decoding.layout import token_bucket
     from acache_jax.engine.runner import REUSE_PADDING, Runner
-    from acache_jax.layout import token_bucket
 
     runner = SimpleNamespace(read_widths=[64, 32], _token_axes={}, fixed_shapes=False)
     axis = lambda n, probing=False: Runner.token_axis(runner, n, probing)
@@ -394,7 +394,7 @@ def test_a_step_runs_on_a_compiled_token_axis_within_the_padding_bound():
 def test_an_adaptive_budget_gives_back_the_anchor_slots_it_did_not_use():
     """Admission reserves the most anchors; once the probe says how many the mass needs (clipped
     to the bounds), the blocks beyond them are free again and the kept slots are the reserve's first."""
-    from acache_jax.acache import Ranking  # noqa: PLC0415 (the only test here that needs jax)
+    from acache_jax.decoding.acache import Ranking  # noqa: PLC0415 (the only test here that needs jax)
     from acache_jax.engine.scheduler import StepOutput  # noqa: PLC0415
 
     bm = BlockManager(num_blocks=40, block_size=4)

@@ -8,9 +8,9 @@ import jax
 import pytest
 
 import acache_jax
-from acache_jax.config import DecodeConfig
+from acache_jax.decoding.layout import Request
 from acache_jax.engine import Engine
-from acache_jax.layout import Request
+from acache_jax.network.config import DecodeConfig
 
 AFFIX = list(range(30, 53))
 FIXED = dict(fixed_shapes=True)  # a server's engines: few programs for these small workloads (see test_engine)

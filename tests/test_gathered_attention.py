@@ -130,9 +130,9 @@ def test_bad_inputs_raise_clear_errors():
 def test_model_pallas_backend_equals_xla():
     """A packed forward reading a shuffled pool through two read sets (one at an offset, rows past
     `lens` holding junk), with the probe over the second: the kernel path gives the oracle's."""
-    from acache_jax.checkpoint import load
-    from acache_jax.kv import KVPool, PoolAccess, ReadSet
-    from acache_jax.model import ForwardInputs
+    from acache_jax.network.checkpoint import load
+    from acache_jax.network.kv import KVPool, PoolAccess, ReadSet
+    from acache_jax.network.model import ForwardInputs
 
     model = load("tests/fixtures/decode/llada")
     cfg = model.config

@@ -70,8 +70,8 @@ def test_jsonl_batch_overrides_and_order(capsys, model_dir, tmp_path):
 
 
 def test_chat_template_and_text(capsys, model_with_tokenizer):
-    from acache_jax.checkpoint import load
     from acache_jax.generate import _encode, parser
+    from acache_jax.network.checkpoint import load
 
     model = load(model_with_tokenizer)
     tok = model.tokenizer

@@ -23,8 +23,8 @@ import pytest
 from safetensors import safe_open
 
 import acache_jax
-from acache_jax.hf_checkpoint import INDEX_FILE
-from acache_jax.tokenizer import import_transformers
+from acache_jax.network.hf_checkpoint import INDEX_FILE
+from acache_jax.network.tokenizer import import_transformers
 from eval import hf_snapshot
 
 WIDTH = {"llada": 128, "dream": 112}  # multiples of 2 x the published head counts (32, 28)

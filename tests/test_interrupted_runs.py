@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from acache_jax.config import InputError
-from acache_jax.files import check_output_path, write_atomic
+from acache_jax.network.config import InputError
+from acache_jax.network.files import check_output_path, write_atomic
 from tests.hf_checkpoints import hf_shapes, llada_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,7 +80,7 @@ def test_killed_conversion_leaves_a_partial_the_next_run_removes(big_checkpoint,
 
 def test_a_partial_of_a_running_writer_is_left_alone(tmp_path):
     """Only leftovers of dead processes are removed (a pid that is alive: this test's own)."""
-    from acache_jax.files import remove_stale_partials
+    from acache_jax.network.files import remove_stale_partials
 
     mine = tmp_path / f".out.partial-{os.getpid()}-abcdef12"
     mine.mkdir()

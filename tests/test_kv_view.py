@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import acache_jax
-from acache_jax.kv import KVPool, PoolAccess, flat_index, read_set, rows_access
+from acache_jax.network.kv import KVPool, PoolAccess, flat_index, read_set, rows_access
 from eval.bench_decode import pool_from_rows
-from acache_jax.model import ForwardInputs
+from acache_jax.network.model import ForwardInputs
 from pallas_kernels import rope
 
 
@@ -136,7 +136,7 @@ def test_pool_writes_promise_unique_indices_and_padding_writes_nothing():
     every real token gets its own tile's output."""
     import jax
 
-    from acache_jax.attention import attend_pool
+    from acache_jax.network.attention import attend_pool
 
     rng = np.random.default_rng(3)
     m, heads, dim, slots = 6, 2, 8, 10

@@ -23,10 +23,10 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 import acache_jax  # noqa: E402
-from acache_jax import likelihood  # noqa: E402
-from acache_jax.config import InputError  # noqa: E402
-from acache_jax.decode import generate  # noqa: E402
+from acache_jax.decoding.decode import generate  # noqa: E402
+from acache_jax.lm_eval import likelihood  # noqa: E402
 from acache_jax.lm_eval import ACacheLM  # noqa: E402
+from acache_jax.network.config import InputError  # noqa: E402
 from eval import lm_eval_data  # noqa: E402
 from eval.accuracy import accuracy, full_recompute  # noqa: E402
 from eval.affix_sweep import Grid  # noqa: E402

@@ -70,7 +70,7 @@ def test_a_program_traces_and_lowers_the_layers_once(fixtures_dir):
     import jax
     import jax.numpy as jnp
 
-    from acache_jax.model import ForwardInputs
+    from acache_jax.network.model import ForwardInputs
 
     model = acache_jax.load(fixtures_dir / "models" / "llada_mha", dtype="float32")
     structure, params = model.flat
@@ -94,10 +94,10 @@ def test_fused_projections_compute_the_separate_ones(family):
     import jax.numpy as jnp
     from flax import nnx
 
-    from acache_jax.attention import attend_dense
-    from acache_jax.config import ModelConfig
-    from acache_jax.model import ForwardInputs, Transformer
-    from acache_jax.sharding import fuse_gate_up, fuse_qkv
+    from acache_jax.network.attention import attend_dense
+    from acache_jax.network.config import ModelConfig
+    from acache_jax.network.model import ForwardInputs, Transformer
+    from acache_jax.network.sharding import fuse_gate_up, fuse_qkv
     from tests.hf_checkpoints import dream_config, llada_config
 
     hf = llada_config(n_kv_heads=2, include_qkv_bias=True) if family == "llada" else dream_config()

@@ -48,7 +48,7 @@ def _run(installed, *argv) -> subprocess.CompletedProcess:
 
 def test_the_wheel_works_from_elsewhere(installed, tmp_path):
     site, _ = installed
-    code = ("import sys, acache_jax; from acache_jax.decode import generate; "
+    code = ("import sys, acache_jax; from acache_jax.decoding.decode import generate; "
             "from acache_jax.generate import DEFAULT_MODEL; m = acache_jax.load(DEFAULT_MODEL); "
             f"out = generate(m, [m.encode({QUESTION!r})]); print(m.answer_text(out.tokens[0])); "
             "print(acache_jax.__file__); print(sorted(n for n in ('eval', 'convert') if n in sys.modules))")

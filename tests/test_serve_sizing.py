@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from acache_jax.config import InputError
+from acache_jax.network.config import InputError
 from acache_jax.serve import cli
 from tests.test_serve import start_server
 

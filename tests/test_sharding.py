@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from acache_jax.config import ModelConfig
-from acache_jax.model import abstract_transformer
-from acache_jax.sharding import (MeshError, check_mesh, fuse_gate_up, fuse_parts, fuse_qkv, kv_copies, make_mesh,
-                                 param_axes, repeat_kv_heads, split_gate_up, split_parts, split_qkv)
+from acache_jax.network.config import ModelConfig
+from acache_jax.network.model import abstract_transformer
+from acache_jax.network.sharding import (MeshError, check_mesh, fuse_gate_up, fuse_parts, fuse_qkv, kv_copies,
+                                         make_mesh, param_axes, repeat_kv_heads, split_gate_up, split_parts, split_qkv)
 from tests import hf_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]

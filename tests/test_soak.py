@@ -29,9 +29,9 @@ import httpx
 import numpy as np
 
 import acache_jax
-from acache_jax.config import DecodeConfig
+from acache_jax.decoding.layout import Request
 from acache_jax.engine import Engine
-from acache_jax.layout import Request
+from acache_jax.network.config import DecodeConfig
 from tests.cli_process import rss_mb
 from tests.test_serve import _settle, start_server
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from acache_jax.layout import Request
+from acache_jax.decoding.layout import Request
 from eval.tasks import MAX_SHOTS, TASKS, eval_split, get_task
 from eval.tasks.babi import binding_stories
 from eval.tasks.base import answer_number, exact_match
@@ -123,7 +123,7 @@ def test_layouts_place_the_affix_as_in_the_paper(tokenizer):
     assert reqs["infix"].prompt[0] == user and reqs["infix"].tail[-1] == assistant
     header = encode("Example(s):")
     assert list(reqs["infix"].prompt[-len(header):]) == header
-    # As acache_jax.layout lays them out: prefix [Ex][Qry], infix [Qry_head][Ex][Ans], suffix [Qry] ... [Ex].
+    # As acache_jax.decoding.layout lays them out: prefix [Ex][Qry], infix [Qry_head][Ex][Ans], suffix [Qry] ... [Ex].
     row = reqs["prefix"].row(ids["prefix"], 4, 0)
     assert row.tokens[:len(ids["prefix"])].tolist() == ids["prefix"] and row.affix_start == 0 and row.right == 0
     row = reqs["infix"].row(ids["infix"], 4, 0)

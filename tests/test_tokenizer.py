@@ -1,4 +1,4 @@
-"""acache_jax.tokenizer on small synthetic snapshots laid out like LLaDA-8B-Instruct and Dream-v0-Instruct-7B.
+"""acache_jax.network.tokenizer on small synthetic snapshots laid out like LLaDA-8B-Instruct and Dream-v0-Instruct-7B.
 
 Each family gets a tiny byte-level BPE vocabulary written in the file layout of its real snapshot:
 LLaDA as `tokenizer.json` (built with the `tokenizers` library) + `tokenizer_config.json` (Llama-3-style chat
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import regex
 
-from acache_jax.tokenizer import TOKENIZER_FILES, TokenizerError, import_transformers, load_tokenizer
+from acache_jax.network.tokenizer import TOKENIZER_FILES, TokenizerError, import_transformers, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -383,7 +383,7 @@ def test_corrupt_file_is_named(case, tmp_path):
 
 def test_silent_on_stderr(dream):
     """No "PyTorch was not found" advisory (nor anything else) on stderr, and the variable is put back."""
-    code = ("import os, sys; from acache_jax.tokenizer import load_tokenizer; "
+    code = ("import os, sys; from acache_jax.network.tokenizer import load_tokenizer; "
             "assert load_tokenizer('acache_jax/models/llada-small') is not None; "
             "assert load_tokenizer(sys.argv[1]) is not None; "
             "print(os.environ.get('TRANSFORMERS_NO_ADVISORY_WARNINGS'))")

@@ -11,9 +11,9 @@ from flax import nnx
 from safetensors import safe_open
 
 import acache_jax
-from acache_jax.config import DecodeConfig, ModelConfig
-from acache_jax.model import ForwardInputs, Model, Transformer
-from acache_jax.hf_checkpoint import export_hf, hf_config
+from acache_jax.network.config import DecodeConfig, ModelConfig
+from acache_jax.network.hf_checkpoint import export_hf, hf_config
+from acache_jax.network.model import ForwardInputs, Model, Transformer
 from eval.tokenizer import build_tokenizer, special_ids
 from eval.plot_losses import plot_losses
 from eval.train import (SIZES, Recipe, TrainState, corrupt, initial_model, model_config, one_hot_embeddings,

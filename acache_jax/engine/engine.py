@@ -5,7 +5,7 @@ one packed forward (probes of the new requests, recomputes of those at a block s
 in-block step of the others, side by side on one token axis), the runner computes it and then
 keeps decoding blocks on the device until one finishes, and the scheduler applies the results,
 freeing finished requests at once. Per request, the forwards and commits are the static path's
-(`acache_jax.decode`: the same pool writes and reads, the same commit rule), so the same request
+(`acache_jax.decoding.decode`: the same pool writes and reads, the same commit rule), so the same request
 decodes to the same tokens in any company and order.
 
 Policies (from `DecodeConfig.cache`): `acache` / `direct` keep the affix K/V once in shared,
@@ -22,16 +22,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from acache_jax.acache import DEVIATION_SELECTORS, PROBE_SIGN, AffixCache, check_affix_cache
-from acache_jax.config import DecodeConfig, DecodeError, InputError, resolve_decode_config
+from acache_jax.decoding.acache import DEVIATION_SELECTORS, PROBE_SIGN, AffixCache, check_affix_cache
+from acache_jax.decoding.layout import Request, check_affix, check_context, check_request
 from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.runner import Observer, Runner
 from acache_jax.engine.scheduler import Plan, Scheduler, StepOutput
 from acache_jax.engine.sequence import SequenceState
-from acache_jax.kv import KVPool
-from acache_jax.layout import Request, check_affix, check_context, check_request
-from acache_jax.model import Model
-from acache_jax.sharding import use_mesh
+from acache_jax.network.config import DecodeConfig, DecodeError, InputError, resolve_decode_config
+from acache_jax.network.kv import KVPool
+from acache_jax.network.model import Model
+from acache_jax.network.sharding import use_mesh
 
 ENGINE_POLICIES = {"dual": "baseline", "acache": "acache", "direct": "acache"}
 ENGINE_SELECTORS = (*PROBE_SIGN, *DEVIATION_SELECTORS)  # all but random: a probe or a dense forward ranks

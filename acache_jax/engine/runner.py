@@ -11,7 +11,7 @@ buffer (`pack`), with one wait for both results:
 Under the hkvd selectors a new request's anchors come from a third call instead of the packed
 forward's probe: a dense forward of its text (hkvd_block: and first block) scored against the
 affix K/V in its shared slots (`deviation_ranking`).
-Tokens write their K/V into the pool and read their request's slots (acache_jax/kv.py); padding
+Tokens write their K/V into the pool and read their request's slots (acache_jax/network/kv.py); padding
 tokens write nowhere and sit in no query tile.
 """
 
@@ -31,15 +31,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.acache import DEVIATION_SELECTORS, PROBE_SIGN, Ranking, affix_deviation, anchor_ranking
-from acache_jax.config import DecodeConfig
+from acache_jax.decoding.acache import DEVIATION_SELECTORS, PROBE_SIGN, Ranking, affix_deviation, anchor_ranking
+from acache_jax.decoding.layout import bucket, row_bucket, token_bucket
+from acache_jax.decoding.sampling import Commits, SamplerConfig
 from acache_jax.engine.scheduler import Plan, StepOutput, Work
 from acache_jax.engine.sequence import SequenceState
-from acache_jax.kv import (AffixCache, KVPool, PoolAccess, ReadSet, distinct_past_end, flat_index, rotated_from_zero,
-                           rows_access)
-from acache_jax.layout import bucket, row_bucket, token_bucket
-from acache_jax.model import ForwardInputs, Structure
-from acache_jax.sampling import Commits
+from acache_jax.network.config import DecodeConfig
+from acache_jax.network.kv import (AffixCache, KVPool, PoolAccess, ReadSet, distinct_past_end, flat_index,
+                                   rotated_from_zero, rows_access)
+from acache_jax.network.model import ForwardInputs, Structure
 
 TILE_ROWS = 128  # query rows per attention tile (tokens x the query heads of one kv head)
 # A packed step may run on an already compiled token axis up to this many times its tokens long
@@ -124,7 +124,7 @@ def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, param
         score = PROBE_SIGN[cfg.selector] * out.probe
         ranking = anchor_ranking(score, jnp.arange(score.shape[1])[None] < step.reads[-1].lens[:, None],
                                  cfg.anchor_mass)
-    return out.pool, step.commits.commit(out.logits, cfg.sampler(structure.config), cfg.steps_per_block), ranking
+    return out.pool, step.commits.commit(out.logits, SamplerConfig.of(cfg, structure.config), cfg.steps_per_block), ranking
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -155,7 +155,7 @@ def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params
                                                                                 access=access,
                                                                                 logit_index=logit_index),
                                 attn_backend=cfg.attn_backend)
-        return out.pool, state.commit(out.logits, cfg.sampler(structure.config), cfg.steps_per_block), count + 1
+        return out.pool, state.commit(out.logits, SamplerConfig.of(cfg, structure.config), cfg.steps_per_block), count + 1
 
     pool, rows, count = jax.lax.while_loop(unfinished, body, (pool, rows, jnp.int32(0)))
     return pool, rows, count

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from acache_jax.decoding.layout import RequestError
 from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.sequence import SequenceState, SequenceStatus
-from acache_jax.layout import RequestError
 
 if TYPE_CHECKING:
-    from acache_jax.acache import Ranking
+    from acache_jax.decoding.acache import Ranking
 
 
 class RequestTooLargeError(RequestError):

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from acache_jax.layout import Request, RequestError, Row
+from acache_jax.decoding.layout import Request, RequestError, Row
 
 if TYPE_CHECKING:
-    from acache_jax.kv import AffixCache
+    from acache_jax.network.kv import AffixCache
 
 Policy = Literal["acache", "baseline"]
 POLICIES = ("acache", "baseline")

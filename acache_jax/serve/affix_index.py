@@ -20,7 +20,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable
 
-from acache_jax.kv import AffixCache
+from acache_jax.network.kv import AffixCache
 
 _MOD = (1 << 61) - 1  # a Mersenne prime: the hash of a run fits 61 bits
 _BASE = 1_000_003

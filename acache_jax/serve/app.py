@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from acache_jax.config import DecodeConfig
-from acache_jax.model import Model
+from acache_jax.network.config import DecodeConfig
+from acache_jax.network.model import Model
 from acache_jax.serve import protocol
 from acache_jax.serve.limits import Guard, Lifecycle, Limits
 from acache_jax.serve.protocol import ApiError

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 import jax
 
 from acache_jax import compile_cache
-from acache_jax.checkpoint import load
 from acache_jax.cli import DEFAULT_MODEL, Parser, add_compile_cache, positive, threshold
-from acache_jax.config import ATTENTION_BACKENDS, InputError
 from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
-from acache_jax.kv import KVPool
+from acache_jax.network.checkpoint import load
+from acache_jax.network.config import ATTENTION_BACKENDS, InputError
+from acache_jax.network.kv import KVPool
+from acache_jax.network.tokenizer import loaded_tokenizer
 from acache_jax.serve.limits import Lifecycle, Limits, graceful_server, header_timeout_protocol
-from acache_jax.tokenizer import loaded_tokenizer
 
 if TYPE_CHECKING:
     import uvicorn

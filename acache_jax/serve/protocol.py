@@ -22,11 +22,11 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from acache_jax.serve.affix_index import split_text
-from acache_jax.config import FIELD_KINDS, DecodeConfig, InputError
+from acache_jax.decoding.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_request
 from acache_jax.engine.engine import check_engine_config
-from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_request
-from acache_jax.model import Model, check_text
+from acache_jax.network.config import FIELD_KINDS, DecodeConfig, InputError
+from acache_jax.network.model import Model, check_text
+from acache_jax.serve.affix_index import split_text
 
 # Request fields that set decoding knobs (DecodeConfig fields of the same name): those the engine
 # runs for every model family, with their fields' kinds (a JSON number where the field is a float).

@@ -26,11 +26,11 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from acache_jax.acache import build_affix_cache
-from acache_jax.serve.affix_index import AffixStore, SpanIndex
-from acache_jax.config import DecodeConfig, InputError
+from acache_jax.decoding.acache import build_affix_cache
 from acache_jax.engine import Engine
-from acache_jax.model import Model
+from acache_jax.network.config import DecodeConfig, InputError
+from acache_jax.network.model import Model
+from acache_jax.serve.affix_index import AffixStore, SpanIndex
 from acache_jax.serve.protocol import Answer, ApiError, Job, engine_config
 
 Emit = Callable[[tuple], None]  # ("text", str) | ("done", Answer) | ("error", ApiError), from the engine thread

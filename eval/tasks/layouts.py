@@ -1,4 +1,4 @@
-"""Prompt layouts of the paper's appendix A, as token ids for `acache_jax.layout.Request`.
+"""Prompt layouts of the paper's appendix A, as token ids for `acache_jax.decoding.layout.Request`.
 
 prefix: [Ex][Qry][Mask]; infix: [Qry_head][Ex][Ans][Mask]; suffix: [Qry][Mask][Ex]; none: [Qry][Mask].
 The affix Ex holds the few-shot examples: chat turns (a user query, then the assistant's answer)
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from acache_jax.layout import Request
+from acache_jax.decoding.layout import Request
 from eval.tasks.base import Example
 
 USER, ASSISTANT, END = "<|user|>", "<|assistant|>", "<|eos|>"  # END closes an answer and pads the generation

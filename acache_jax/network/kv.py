@@ -20,8 +20,8 @@ import jax.numpy as jnp
 
 from jax.sharding import Mesh
 
-from acache_jax.config import ModelConfig
-from acache_jax.sharding import kv_sharding
+from acache_jax.network.config import ModelConfig
+from acache_jax.network.sharding import kv_sharding
 from pallas_kernels import rope
 
 

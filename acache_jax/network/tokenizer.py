@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from acache_jax.config import ConfigError, InputError, read_json
+from acache_jax.network.config import ConfigError, InputError, read_json
 
 # What a converter must copy so that the converted directory loads the same way. The snapshot's
 # remote code (`tokenization_*.py`) is deliberately absent: it is never run. `tokenizer.model` and

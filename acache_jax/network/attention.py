@@ -4,7 +4,7 @@
   (`Model.logits`, an affix computed alone, training, the hkvd probe).
 - Pool: a forward's tokens write their K (rotated at their positions) and V into a `KVPool`
   first, then every token reads its segment's rows through the read sets of a `PoolAccess`
-  (acache_jax/kv.py): the static decode loop and the engine's packed steps alike. Queries run in
+  (acache_jax/network/kv.py): the static decode loop and the engine's packed steps alike. Queries run in
   tiles of one segment's tokens; each read set is one call of the gathered-attention kernel (or its
   jnp oracle), and the partial results are merged by their log-sum-exp.
 """
@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from acache_jax.config import ATTENTION_BACKENDS
-from acache_jax.kv import PoolAccess, distinct_past_end
-from acache_jax.sharding import KV_AXES, RULES, constrain_kv, model_axis_size, rows_axis
+from acache_jax.network.config import ATTENTION_BACKENDS
+from acache_jax.network.kv import PoolAccess, distinct_past_end
+from acache_jax.network.sharding import KV_AXES, RULES, constrain_kv, model_axis_size, rows_axis
 from pallas_kernels import anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
 
 # Finite stand-in for -inf: a query whose keys are all invalid (a padding row) yields a uniform

@@ -19,10 +19,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from acache_jax import sampling
 
 Family = Literal["llada", "dream"]
 CachePolicy = Literal["none", "prefix", "dual", "acache", "direct"]
+Remasking = Literal["low_confidence", "random"]  # LLaDA's confidence
+DreamAlg = Literal["origin", "maskgit_plus", "topk_margin", "entropy"]  # Dream's confidence
 CACHE_POLICIES = ("none", "prefix", "dual", "acache", "direct")
 SELECTORS = ("attention", "hkvd", "hkvd_block", "random", "bottom")
 ATTENTION_BACKENDS = ("xla", "cudnn", "pallas")
@@ -284,8 +285,8 @@ class DecodeConfig:
     threshold: float | None = 0.9  # Fast-dLLM parallel decoding; None = fixed schedule from `steps`
     factor: float | None = None  # Fast-dLLM factor rule (overrides threshold)
     temperature: float = 0.0
-    remasking: sampling.Remasking = "low_confidence"  # LLaDA
-    alg: sampling.DreamAlg = "maskgit_plus"  # Dream
+    remasking: Remasking = "low_confidence"  # LLaDA
+    alg: DreamAlg = "maskgit_plus"  # Dream
     alg_temp: float = 0.0  # Dream
     top_p: float | None = None  # Dream
     top_k: int | None = None  # Dream
@@ -334,13 +335,6 @@ class DecodeConfig:
             return self
         steps = None if self.steps is None else self.steps_per_block * (gen_length // self.block_length)
         return self.replace(gen_length=gen_length, steps=steps)
-
-    def sampler(self, mcfg: ModelConfig) -> sampling.SamplerConfig:
-        return sampling.SamplerConfig(
-            family=mcfg.family, mask_token_id=mcfg.mask_token_id, temperature=self.temperature, threshold=self.threshold,
-            factor=self.factor, remasking=self.remasking, alg=self.alg, alg_temp=self.alg_temp, top_p=self.top_p,
-            top_k=self.top_k,
-        )
 
     def program_key(self) -> DecodeConfig:
         """This config as compiled programs' static argument: the anchor ratios only bound how many

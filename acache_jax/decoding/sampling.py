@@ -13,13 +13,12 @@ Deliberate differences from upstream (documented in docs/DECODING.md):
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-Remasking = Literal["low_confidence", "random"]
-DreamAlg = Literal["origin", "maskgit_plus", "topk_margin", "entropy"]
+from acache_jax.network.config import DecodeConfig, DreamAlg, Family, ModelConfig, Remasking
+
 NEG_INF = -jnp.inf
 
 
@@ -27,7 +26,7 @@ NEG_INF = -jnp.inf
 class SamplerConfig:
     """How tokens are proposed and which are committed at each step (hashable: a jit static)."""
 
-    family: Literal["llada", "dream"]
+    family: Family
     mask_token_id: int
     temperature: float = 0.0
     threshold: float | None = 0.9  # Fast-dLLM: commit every masked token with confidence >= threshold
@@ -38,6 +37,13 @@ class SamplerConfig:
     top_p: float | None = None  # Dream
     top_k: int | None = None  # Dream
     eps: float = 1e-3  # Dream timestep floor
+
+    @classmethod
+    def of(cls, cfg: DecodeConfig, mcfg: ModelConfig) -> SamplerConfig:
+        """The sampler settings of decoding settings `cfg` for a model of config `mcfg`."""
+        return cls(family=mcfg.family, mask_token_id=mcfg.mask_token_id, temperature=cfg.temperature,
+                   threshold=cfg.threshold, factor=cfg.factor, remasking=cfg.remasking, alg=cfg.alg,
+                   alg_temp=cfg.alg_temp, top_p=cfg.top_p, top_k=cfg.top_k)
 
 
 def _gumbel(key: jax.Array, shape) -> jax.Array:

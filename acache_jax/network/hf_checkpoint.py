@@ -25,11 +25,11 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from acache_jax.config import (DREAM_FIXED, GENERATION_CONFIG_FILE, LLADA_FIXED, DecodeConfig, InputError,
-                               ModelConfig, generation_config_json, read_json)
-from acache_jax.files import write_atomic
-from acache_jax.sharding import split_parts
-from acache_jax.tokenizer import TOKENIZER_FILES
+from acache_jax.network.config import (DREAM_FIXED, GENERATION_CONFIG_FILE, LLADA_FIXED, DecodeConfig, InputError,
+                                       ModelConfig, generation_config_json, read_json)
+from acache_jax.network.files import write_atomic
+from acache_jax.network.sharding import split_parts
+from acache_jax.network.tokenizer import TOKENIZER_FILES
 
 ParamPath = tuple  # e.g. ("layers", 3, "attn", "qkv", "kernel")
 INDEX_FILE = "model.safetensors.index.json"
@@ -41,7 +41,7 @@ class CheckpointError(InputError):
 
 class Entry(NamedTuple):
     """Where one HF tensor goes: a parameter of ours, or one part of a fused one (the device builds
-    the fused parameter of its parts: acache_jax.sharding.fuse_param; FUSED_PARTS lists them)."""
+    the fused parameter of its parts: acache_jax.network.sharding.fuse_param; FUSED_PARTS lists them)."""
 
     path: ParamPath  # the parameter in our tree it is or is a part of
     hf_shape: tuple[int, ...]  # its shape in the HF file (PyTorch Linear: [out, in])
@@ -225,7 +225,7 @@ def iter_tensors(
     """Yield (entry, tensor) for every tensor of the HF checkpoint at src as it is stored: the
     file's bytes, in the file's dtype and PyTorch layout, mapped rather than read (`map_tensor`).
     Nothing is transposed or cast on the host (the device does both as it receives each tensor:
-    acache_jax.checkpoint). Names, shapes and dtypes are checked from the headers before any data
+    acache_jax.network.checkpoint). Names, shapes and dtypes are checked from the headers before any data
     is touched, and so are the files' sizes: a file cut short after that check would end the
     process when its missing bytes are touched (SIGBUS), a risk only a file changed while it loads
     runs."""

@@ -28,13 +28,14 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from acache_jax import compile_cache
-from acache_jax.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
-from acache_jax.files import partial_name, remove_stale_partials
-from acache_jax.hf_checkpoint import ST_DTYPES, CheckpointError, Entry, checked_tensors, iter_tensors, stored_dtype
-from acache_jax.model import Model, abstract_transformer
-from acache_jax.sharding import (FUSED_PARTS, compiling_ahead, fuse_param, is_qkv, kv_copies, load_programs,
-                                 param_sharding, place_param, sharded_config)
-from acache_jax.tokenizer import TOKENIZER_FILES, LazyTokenizer, ships_tokenizer
+from acache_jax.network.config import GENERATION_CONFIG_FILE, InputError, ModelConfig, read_generation_config, read_json
+from acache_jax.network.files import partial_name, remove_stale_partials
+from acache_jax.network.hf_checkpoint import (ST_DTYPES, CheckpointError, Entry, checked_tensors, iter_tensors,
+                                              stored_dtype)
+from acache_jax.network.model import Model, abstract_transformer
+from acache_jax.network.sharding import (FUSED_PARTS, compiling_ahead, fuse_param, is_qkv, kv_copies, load_programs,
+                                         param_sharding, place_param, sharded_config)
+from acache_jax.network.tokenizer import TOKENIZER_FILES, LazyTokenizer, ships_tokenizer
 
 FORMAT_FILE = "acache.json"
 FORMAT_VERSION = 2  # 1: q/k/v and gate/up stored apart (before the fused projections); not read
@@ -248,7 +249,7 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
             desc: str = "loading") -> Iterator[tuple[tuple, jax.Array]]:
     """(our param path, device array in our layout) for every parameter of an HF snapshot, in file
     order: the host maps the files' bytes, the device transposes and casts them
-    (acache_jax.sharding.place_param). A few tensors are placed at once on threads; a tensor is
+    (acache_jax.network.sharding.place_param). A few tensors are placed at once on threads; a tensor is
     done once its transfer and relayout are, and no more than IN_FLIGHT_BYTES (or one tensor, if
     larger) are in flight, so neither memory holds more than that beyond the model (unbounded, an
     8B load peaked at twice the model on the device).
@@ -359,14 +360,14 @@ def load(path: str | Path, dtype: Any | None = None, mesh: Mesh | None = None) -
     """Load a model from a converted checkpoint or an HF LLaDA/Dream snapshot directory.
 
     dtype: "float32" or "bfloat16" (or the jnp dtype); default: the dtype the weights are stored in.
-    mesh: a (data, model) mesh (`acache_jax.sharding.make_mesh`) to split the model over; each
+    mesh: a (data, model) mesh (`acache_jax.network.sharding.make_mesh`) to split the model over; each
     tensor goes from the host straight to its shards as it is read (no device ever holds a whole
     split tensor), and every entry point then runs the model on the mesh. With fewer KV heads
-    than the tensor-parallel size, the KV heads are copied (acache_jax/sharding.py).
+    than the tensor-parallel size, the KV heads are copied (acache_jax/network/sharding.py).
     An HF directory is converted in memory, one tensor at a time. The directory's
     generation_config.json (if any) becomes the model's generation defaults. The tokenizer (if the
     directory ships one) is loaded at its first use, where a damaged tokenizer file raises its
-    TokenizerError (acache_jax.tokenizer.LazyTokenizer).
+    TokenizerError (acache_jax.network.tokenizer.LazyTokenizer).
     The first load turns on JAX's persistent compilation cache in the user's cache directory, unless
     jax's own cache is configured or ACACHE_JAX_COMPILE_CACHE=off (acache_jax/compile_cache.py).
     """

@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.acache import build_affix_cache, check_affix_cache, select_anchors_jit
-from acache_jax.config import DecodeConfig, DecodeError, resolve_decode_config
-from acache_jax.layout import Batch, Request, as_requests, check_requests, make_batch
-from acache_jax.kv import AffixCache, KVPool, flat_index, read_set, rows_access
-from acache_jax.model import ForwardInputs, Model, Structure
-from acache_jax.sampling import Commits
-from acache_jax.sharding import constrain_kv, place_rows, use_mesh
+from acache_jax.decoding.acache import build_affix_cache, check_affix_cache, select_anchors_jit
+from acache_jax.decoding.layout import Batch, Request, as_requests, check_requests, make_batch
+from acache_jax.decoding.sampling import Commits, SamplerConfig
+from acache_jax.network.config import DecodeConfig, DecodeError, resolve_decode_config
+from acache_jax.network.kv import AffixCache, KVPool, flat_index, read_set, rows_access
+from acache_jax.network.model import ForwardInputs, Model, Structure
+from acache_jax.network.sharding import constrain_kv, place_rows, use_mesh
 
 
 @dataclasses.dataclass
@@ -90,7 +90,7 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
             logits = uncond + (cfg.cfg_scale + 1) * (cond - uncond)
         return logits, out.pool
 
-    scfg = cfg.sampler(mcfg)
+    scfg = SamplerConfig.of(cfg, mcfg)
 
     def commit(x, s, logits, step, nfe, masked_at_start, block_start: bool):
         """x after one commit on its block at column s, and the rows' forward counts."""

@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from acache_jax.config import ConfigError, InputError, ModelConfig
+from acache_jax.network.config import ConfigError, InputError, ModelConfig
 
 MESH_AXES = ("data", "model")
 
@@ -121,7 +121,7 @@ def kv_copies(cfg: ModelConfig, tp: int) -> int:
 def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
     """One clear error for a mesh the model cannot be split over."""
     if tuple(mesh.axis_names) != MESH_AXES:
-        raise MeshError(f"the mesh must have axes {MESH_AXES} (acache_jax.sharding.make_mesh), got {mesh.axis_names}")
+        raise MeshError(f"the mesh must have axes {MESH_AXES} (acache_jax.network.sharding.make_mesh), got {mesh.axis_names}")
     tp = tensor_parallel_size(mesh)
     sizes = (("attention heads", cfg.num_heads), ("MLP hidden size", cfg.intermediate_size),
              ("vocabulary", cfg.vocab_size))

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.config import InputError
-from acache_jax.layout import bucket, check_context, check_vocabulary, token_ids
-from acache_jax.model import ForwardInputs, Model, Structure
+from acache_jax.decoding.layout import bucket, check_context, check_vocabulary, token_ids
+from acache_jax.network.config import InputError
+from acache_jax.network.model import ForwardInputs, Model, Structure
 
 
 def mask_counts(rng: np.random.Generator, length: int, group: int) -> np.ndarray:

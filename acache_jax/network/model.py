@@ -3,7 +3,7 @@
 One network serves both: pre-norm blocks with RMSNorm (fp32), RoPE (rotate-half), MHA or GQA with
 optional q/k/v bias, a SwiGLU MLP and an untied LM head. Dream's logit shift is a property of the
 config. The q, k and v projections are one weight, `attn.qkv`, and the MLP's gate and up another,
-`mlp.gate_up`: one matmul each (their column layouts: acache_jax/sharding.py `fuse_qkv`,
+`mlp.gate_up`: one matmul each (their column layouts: acache_jax/network/sharding.py `fuse_qkv`,
 `fuse_gate_up`); checkpoints keep them apart, and loading fuses them. Jitted code has one entry,
 `Structure.forward(params, tokens, inputs)` over the weights as a flat list (`Model.flat`): the
 tokens it is given, at the positions `inputs` says, attending either to their own rows (dense) or,
@@ -27,10 +27,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from acache_jax.attention import attend_dense, attend_pool
-from acache_jax.config import DecodeConfig, DecodeError, InputError, ModelConfig, name_defaults
-from acache_jax.kv import KVPool, PoolAccess
-from acache_jax.sharding import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv, use_mesh
+from acache_jax.network.attention import attend_dense, attend_pool
+from acache_jax.network.config import DecodeConfig, DecodeError, InputError, ModelConfig, name_defaults
+from acache_jax.network.kv import KVPool, PoolAccess
+from acache_jax.network.sharding import fuse_gate_up, fuse_qkv, split_gate_up, split_qkv, use_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -40,7 +40,7 @@ class ForwardInputs:
 
     Dense (access None): tokens [B, T] attend to their row's tokens where `valid`. With a pool
     (`access`): tokens [M] (any segments side by side) write their K/V at `access.write_slots`,
-    then read their segment's rows (acache_jax/kv.py).
+    then read their segment's rows (acache_jax/network/kv.py).
     """
 
     positions: jax.Array  # [B, T] or [M] int32
@@ -290,7 +290,7 @@ class Model:
     tokenizer: Any = None
     generation_config: DecodeConfig = DecodeConfig()
     eos_token_ids: tuple[int, ...] = ()  # from generation_config.json; config.json's eos always counts
-    mesh: Mesh | None = None  # the (data, model) mesh the weights are split over (acache_jax/sharding.py)
+    mesh: Mesh | None = None  # the (data, model) mesh the weights are split over (acache_jax/network/sharding.py)
     generation_config_file: Path | None = None  # where generation_config came from (named in errors)
 
     @classmethod

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from acache_jax.config import InputError
-from acache_jax.layout import AFFIX_POSITIONS, Request
-from acache_jax.model import Model
+from acache_jax.decoding.layout import AFFIX_POSITIONS, Request
+from acache_jax.network.config import InputError
+from acache_jax.network.model import Model
 
 _HOLE = "\ue000affix\ue000"  # where the infix affix goes while the template renders the turn around it
 

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from acache_jax.config import InputError
+from acache_jax.network.config import InputError
 
 PARTIAL = ".partial-"
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.config import InputError, ModelConfig
+from acache_jax.network.config import InputError, ModelConfig
 
 AffixPosition = Literal["prefix", "infix", "suffix"]
 AFFIX_POSITIONS = ("prefix", "infix", "suffix")

@@ -31,10 +31,10 @@ Model args (`--model_args key=value,...`; text is converted by each setting's ty
 - lm-eval's device, max_batch_size and trust_remote_code are accepted and ignored.
 Bad model args end with one `InputError` naming the setting before any work starts.
 
-generate_until decodes in batches (`acache_jax.decode.generate`, or the engine), each as long as
+generate_until decodes in batches (`acache_jax.decoding.decode.generate`, or the engine), each as long as
 the task's max_gen_toks rounded up to whole blocks (an explicit gen_length sets it instead), and cuts
 the text at the first end-of-text id, after max_gen_toks tokens and at every `until` string. loglikelihood
-is the masked-diffusion Monte-Carlo estimate of LLaDA's evaluation (`acache_jax.likelihood`);
+is the masked-diffusion Monte-Carlo estimate of LLaDA's evaluation (`acache_jax.lm_eval.likelihood`);
 is_greedy is always False, as there. loglikelihood_rolling is not defined for these models.
 """
 
@@ -53,26 +53,24 @@ from typing import Any
 
 import numpy as np
 
-from acache_jax import chat_layout, compile_cache, likelihood
-from acache_jax.acache import build_affix_cache
-from acache_jax.checkpoint import DTYPES, load
-from acache_jax.config import (FIELD_KINDS, GENERATION_CONFIG_FILE, DecodeConfig, DecodeError, InputError,
-                               ModelConfig, name_defaults, read_generation_config)
-from acache_jax.decode import generate
+from acache_jax import compile_cache
+from acache_jax.cli import DEFAULT_MODEL
+from acache_jax.decoding.acache import build_affix_cache
+from acache_jax.decoding.decode import generate
+from acache_jax.decoding.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_context, check_request
 from acache_jax.engine import Engine
 from acache_jax.engine.engine import check_engine_config
-from acache_jax.cli import DEFAULT_MODEL
-from acache_jax.kv import AffixCache
-from acache_jax.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_context, check_request
+from acache_jax.lm_eval import chat_layout, likelihood
+from acache_jax.network.checkpoint import DTYPES, load
+from acache_jax.network.config import (FIELD_KINDS, GENERATION_CONFIG_FILE, DecodeConfig, DecodeError, InputError,
+                                       ModelConfig, name_defaults, read_generation_config)
+from acache_jax.network.kv import AffixCache
 
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
 except ImportError as e:  # pragma: no cover (the lm-eval extra is not installed)
-    _NEEDS = "acache_jax.lm_eval needs lm-eval: pip install 'acache-jax[lm-eval]'"
-    if __name__ == "__main__":
-        sys.exit(f"error: {_NEEDS}")
-    raise ImportError(_NEEDS) from e
+    raise ImportError("acache_jax.lm_eval needs lm-eval: pip install 'acache-jax[lm-eval]'") from e
 
 log = logging.getLogger(__name__)
 MODEL_NAME = "acache_jax"
@@ -498,11 +496,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from acache_jax.lm_eval import main as _main  # the module proper, which registers the model once
+import lm_eval.models  # noqa: E402, F401 (lm-eval loads its own models only into an empty registry)
 
-    sys.exit(_main())
-else:
-    import lm_eval.models  # noqa: E402, F401 (lm-eval loads its own models only into an empty registry)
-
-    register_model(MODEL_NAME)(ACacheLM)
+register_model(MODEL_NAME)(ACacheLM)

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.config import SELECTORS
-from acache_jax.kv import AffixCache, read_set, rows_access
-from acache_jax.layout import Batch, RequestError, bucket, check_affix
-from acache_jax.model import ForwardInputs, Model, Structure
-from acache_jax.sharding import place_kv
+from acache_jax.decoding.layout import Batch, RequestError, bucket, check_affix
+from acache_jax.network.config import SELECTORS
+from acache_jax.network.kv import AffixCache, read_set, rows_access
+from acache_jax.network.model import ForwardInputs, Model, Structure
+from acache_jax.network.sharding import place_kv
 from pallas_kernels import rope
 
 Selector = Literal["attention", "hkvd", "hkvd_block", "random", "bottom"]
