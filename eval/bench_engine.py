@@ -37,7 +37,7 @@ import numpy as np
 from acache_jax import compile_cache
 from acache_jax.decoding.layout import Request
 from acache_jax.engine import Engine
-from acache_jax.engine.engine import ENGINE_SELECTORS
+from acache_jax.engine.engine import DEFAULT_STEP_TOKENS, ENGINE_SELECTORS
 from acache_jax.network.config import DecodeConfig, ModelConfig
 from acache_jax.network.files import write_atomic
 from eval.bench_decode import PEAK_TFLOPS, llada_8b, parse_meshes, random_model
@@ -127,7 +127,7 @@ def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[i
 
 def new_engine(model, config: DecodeConfig, pool_tokens: int, batch: int, args, observer=None) -> Engine:
     return Engine(model, config, pool_tokens=pool_tokens, max_batch=batch, observer=observer,
-                  max_step_tokens=args.max_step_tokens)
+                  max_step_tokens=args.max_step_tokens or None)
 
 
 def warm(model, shots: int, batch: int, policy: str, args) -> None:
@@ -244,8 +244,9 @@ def add_case_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ratio", type=float, default=0.2)
     ap.add_argument("--selector", default="attention", choices=ENGINE_SELECTORS, help="ACache's anchor selector")
     ap.add_argument("--backend", default=None, help="attention backend (default: pallas on a GPU)")
-    ap.add_argument("--max-step-tokens", type=int, default=None,
-                    help="the engines' bound on one step's tokens (default: none); outputs do not change")
+    ap.add_argument("--max-step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+                    help="the engines' bound on one step's tokens (default: the engine's, %(default)s; 0: none); "
+                         "outputs do not change")
 
 
 def main(argv=None) -> None:

@@ -36,6 +36,13 @@ from acache_jax.network.sharding import use_mesh
 ENGINE_POLICIES = {"dual": "baseline", "acache": "acache", "direct": "acache"}
 ENGINE_SELECTORS = (*PROBE_SIGN, *DEVIATION_SELECTORS)  # all but random: a probe or a dense forward ranks
 
+# The default bound on one packed forward's tokens. Its activations grow with the token axis, about
+# 330 kB a token at LLaDA-8B shape: unbounded, the baseline's first step of 16 requests with a
+# 3,000-token affix (53,248 tokens) needed a 17.5 GiB temporary and ran out of memory on an 80 GB
+# card, which ran the case at XLA's default memory fraction with this bound (about 5.4 GiB by that
+# rate; docs/BENCHMARKS.md, "Seventh run"). Steps of a few requests stay below it.
+DEFAULT_STEP_TOKENS = 16_384
+
 
 @dataclasses.dataclass
 class EngineResult:
@@ -119,14 +126,16 @@ class Engine:
     most, the model's context); a longer request is refused. It sizes the default pool (max_batch x
     context) and the fixed shapes' read widths: a model whose context is far longer than its
     requests (Dream's 131072 tokens) would otherwise get a pool and programs for that length.
-    max_step_tokens: the most tokens one iteration's packed forward computes (None: no bound), which
-    bounds its activations: probes and block starts beyond it wait for a later iteration
-    (`Scheduler.schedule`; the oldest waiting one always runs). Outputs do not depend on it.
+    max_step_tokens: the most tokens one iteration's packed forward computes (default
+    `DEFAULT_STEP_TOKENS`; None: no bound), which bounds its activations: probes and block starts
+    beyond it wait for a later iteration (`Scheduler.schedule`; the oldest waiting one always runs).
+    Outputs do not depend on it.
     """
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
                  block_size: int = 16, max_batch: int = 16, observer: Observer | None = None,
-                 fixed_shapes: bool = False, context: int | None = None, max_step_tokens: int | None = None):
+                 fixed_shapes: bool = False, context: int | None = None,
+                 max_step_tokens: int | None = DEFAULT_STEP_TOKENS):
         config = resolve_decode_config(config, model.generation_config)
         for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch),
                             ("context", context), ("max_step_tokens", max_step_tokens)):

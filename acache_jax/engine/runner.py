@@ -124,7 +124,8 @@ def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, param
         score = PROBE_SIGN[cfg.selector] * out.probe
         ranking = anchor_ranking(score, jnp.arange(score.shape[1])[None] < step.reads[-1].lens[:, None],
                                  cfg.anchor_mass)
-    return out.pool, step.commits.commit(out.logits, SamplerConfig.of(cfg, structure.config), cfg.steps_per_block), ranking
+    commits = step.commits.commit(out.logits, SamplerConfig.of(cfg, structure.config), cfg.steps_per_block)
+    return out.pool, commits, ranking
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(4,))
@@ -155,7 +156,8 @@ def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params
                                                                                 access=access,
                                                                                 logit_index=logit_index),
                                 attn_backend=cfg.attn_backend)
-        return out.pool, state.commit(out.logits, SamplerConfig.of(cfg, structure.config), cfg.steps_per_block), count + 1
+        commits = state.commit(out.logits, SamplerConfig.of(cfg, structure.config), cfg.steps_per_block)
+        return out.pool, commits, count + 1
 
     pool, rows, count = jax.lax.while_loop(unfinished, body, (pool, rows, jnp.int32(0)))
     return pool, rows, count

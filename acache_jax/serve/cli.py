@@ -22,7 +22,7 @@ import jax
 
 from acache_jax import compile_cache
 from acache_jax.cli import DEFAULT_MODEL, Parser, add_compile_cache, positive, threshold
-from acache_jax.engine.engine import ENGINE_POLICIES, check_engine_config
+from acache_jax.engine.engine import DEFAULT_STEP_TOKENS, ENGINE_POLICIES, check_engine_config
 from acache_jax.network.checkpoint import load
 from acache_jax.network.config import ATTENTION_BACKENDS, InputError
 from acache_jax.network.kv import KVPool
@@ -86,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
                         "max batch x prompt + answer tokens; 0: compile as requests first need them)")
     p.add_argument("--max-step-tokens", type=positive, default=None,
                    help="the most tokens one engine step computes (bounds its activations; probes and block "
-                        "starts beyond it wait a step); default: --warmup-tokens when set, else no bound")
+                        f"starts beyond it wait a step); default: --warmup-tokens when set, else "
+                        f"{DEFAULT_STEP_TOKENS}")
     p.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
                    help="seconds running requests get at SIGTERM; those still running then get a 503")
     limits = Limits()

@@ -28,6 +28,7 @@ from typing import Any
 
 from acache_jax.decoding.acache import build_affix_cache
 from acache_jax.engine import Engine
+from acache_jax.engine.engine import DEFAULT_STEP_TOKENS
 from acache_jax.network.config import DecodeConfig, InputError
 from acache_jax.network.model import Model
 from acache_jax.serve.affix_index import AffixStore, SpanIndex
@@ -54,7 +55,8 @@ class Settings:
     # tokens before the first request (0: programs compile as the traffic first needs them)
     warmup_tokens: int = 0
     # the most tokens one step computes (Engine's max_step_tokens); None: warmup_tokens when set, so
-    # that a burst of new requests runs on warmed-up programs (split over steps), else no bound
+    # that a burst of new requests runs on warmed-up programs (split over steps), else the engine's
+    # default bound
     max_step_tokens: int | None = None
     default_engine: DecodeConfig | None = None  # the key of requests with the server's defaults: kept
 
@@ -219,9 +221,10 @@ class Worker:
                                        headers={"Retry-After": "1"})
                     del self.engines[idle]
             s = self.settings
+            bound = s.max_step_tokens or s.warmup_tokens or DEFAULT_STEP_TOKENS
             engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch,
                                                    fixed_shapes=s.warmup_tokens > 0, context=s.context,
-                                                   max_step_tokens=s.max_step_tokens or s.warmup_tokens or None)
+                                                   max_step_tokens=bound)
         self.engines.move_to_end(config)
         return engine
 
