@@ -100,3 +100,26 @@ def test_python_examples_run(monkeypatch):
     assert lines[0] == "garden 2"  # the comment beside the print says so
     assert lines[1].startswith("['zib means purple.', 'lorp means red.']")
     assert lines[2].endswith(" True")
+
+
+def test_the_layout_names_every_module():
+    """README "Layout" names every module of the project's packages, each under its folder's entry
+    (a module moved or added without its line fails here), and names no folder that does not exist."""
+    layout = re.search(r"^## Layout\n.*?^```\n(.*?)^```", README, re.S | re.M).group(1)
+    entries = re.split(r"^(?=\S)", layout, flags=re.M)  # one per top-level folder, its lines joined
+    text = {entry.split()[0].rstrip("/"): " ".join(entry.split()) for entry in entries if entry.strip()}
+    unnamed = []
+    for top in ("acache_jax", "convert", "eval", "pallas_kernels"):
+        assert top in text, f"the Layout has no entry for {top}/"
+        for module in sorted((ROOT / top).rglob("*.py")):
+            parts = module.relative_to(ROOT / top).with_suffix("").parts
+            if parts[-1] in ("__init__", "__main__") or parts[0] == "models":
+                continue
+            words = set(re.findall(r"[\w.]+", text[top]))
+            folder_named = len(parts) == 1 or f"{'/'.join(parts[:-1])}/" in text[top]
+            if parts[-1] not in words or not folder_named:
+                unnamed.append(str(module.relative_to(ROOT)))
+        for folder in re.findall(r"(?<![\w/.])([a-z_]+)/", text[top]):
+            if folder != top:
+                assert (ROOT / top / folder).is_dir() or (ROOT / folder).is_dir(), f"{top}/{folder}/ does not exist"
+    assert not unnamed, f"README Layout does not name: {unnamed}"
