@@ -20,8 +20,7 @@ import acache_jax  # noqa: E402
 from acache_jax import Engine  # noqa: E402
 from acache_jax.decoding.decode import generate  # noqa: E402
 from acache_jax.decoding.layout import Request  # noqa: E402
-from acache_jax.network.config import DecodeConfig  # noqa: E402
-from acache_jax.network.config import ModelConfig  # noqa: E402
+from acache_jax.network.config import DecodeConfig, ModelConfig  # noqa: E402
 from acache_jax.network.sharding import MeshError, check_mesh, make_mesh, param_axes, split_qkv  # noqa: E402
 from tests import hf_checkpoints  # noqa: E402
 

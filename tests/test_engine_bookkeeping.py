@@ -11,8 +11,7 @@ from acache_jax.decoding.layout import Request, RequestError, Row, make_batch
 from acache_jax.engine.block_manager import BlockManager, PoolFullError
 from acache_jax.engine.scheduler import RequestTooLargeError, Scheduler
 from acache_jax.engine.sequence import SequenceState, SequenceStatus
-from acache_jax.network.config import anchor_count
-from acache_jax.network.config import ModelConfig
+from acache_jax.network.config import ModelConfig, anchor_count
 
 MASK = 999
 AFFIX_LENS = {"a": 5, "b": 12, "c": 30}  # affix key -> affix length

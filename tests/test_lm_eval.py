@@ -24,8 +24,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 import acache_jax  # noqa: E402
 from acache_jax.decoding.decode import generate  # noqa: E402
-from acache_jax.lm_eval import likelihood  # noqa: E402
-from acache_jax.lm_eval import ACacheLM  # noqa: E402
+from acache_jax.lm_eval import ACacheLM, likelihood  # noqa: E402
 from acache_jax.network.config import InputError  # noqa: E402
 from eval import lm_eval_data  # noqa: E402
 from eval.accuracy import accuracy, full_recompute  # noqa: E402
@@ -285,6 +284,22 @@ def test_bad_model_args_end_the_command_with_one_line(data):
                           "cache=direct,anchor_ratio=0.2", "--tasks", "acache_codebook"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120, env={**os.environ, **OFFLINE})
     assert run.returncode == 2 and run.stderr.count("\n") == 1 and "cache=direct" in run.stderr, run.stderr
+
+
+def test_without_lm_eval_the_command_says_what_to_install(tmp_path):
+    """Without the lm-eval extra (an `lm_eval` that fails to import, first on the path), the
+    command ends with one line naming the install; importing the adapter raises that ImportError."""
+    (tmp_path / "lm_eval").mkdir()
+    (tmp_path / "lm_eval" / "__init__.py").write_text("raise ImportError('No module named lm_eval')\n")
+    env = {**os.environ, **OFFLINE, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    run = subprocess.run([sys.executable, "-m", "acache_jax.lm_eval", "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 1 and run.stderr.count("\n") == 1, run.stderr
+    assert "acache_jax.lm_eval needs lm-eval: pip install 'acache-jax[lm-eval]'" in run.stderr, run.stderr
+    run = subprocess.run([sys.executable, "-c", "import acache_jax.lm_eval"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert run.returncode == 1 and run.stderr.strip().endswith("ImportError: acache_jax.lm_eval needs lm-eval: "
+                                                               "pip install 'acache-jax[lm-eval]'"), run.stderr
 
 
 def test_what_these_models_do_not_define(manager):

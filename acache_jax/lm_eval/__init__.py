@@ -69,8 +69,9 @@ from acache_jax.network.kv import AffixCache
 try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
-except ImportError as e:  # pragma: no cover (the lm-eval extra is not installed)
-    raise ImportError("acache_jax.lm_eval needs lm-eval: pip install 'acache-jax[lm-eval]'") from e
+except ImportError as e:  # the lm-eval extra is not installed
+    # named as this module's failure: `python -m acache_jax.lm_eval` then ends with this one line
+    raise ImportError("acache_jax.lm_eval needs lm-eval: pip install 'acache-jax[lm-eval]'", name=__name__) from e
 
 log = logging.getLogger(__name__)
 MODEL_NAME = "acache_jax"
