@@ -14,6 +14,7 @@ DeprecationWarning.
 import importlib
 import importlib.abc
 import importlib.util
+import os
 import sys
 import warnings
 
@@ -47,7 +48,10 @@ class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec):
         module = spec.name.rpartition(".")[2]
         new = f"{__name__}.{_MOVED[module]}.{module}"
-        warnings.warn(f"{spec.name} is now {new}", DeprecationWarning, stacklevel=2)
+        # attributed to the line that imported the old path, past the import machinery's frames and
+        # this package's (whose own modules import the new paths only)
+        warnings.warn(f"{spec.name} is now {new}", DeprecationWarning,
+                      skip_file_prefixes=(os.path.dirname(importlib.__file__), os.path.dirname(__file__)))
         moved = importlib.import_module(new)
         spec.loader_state = moved.__spec__  # the import system sets __spec__ to this alias's spec
         return moved

@@ -49,12 +49,16 @@ def test_an_old_path_warns_and_a_new_one_does_not():
             "    import acache_jax.decoding.decode, acache_jax.network.model\n"
             "    new = [str(w.message) for w in seen if 'acache_jax' in str(w.message)]\n"
             "    import acache_jax.decode\n"
-            "    old = [(w.category.__name__, str(w.message)) for w in seen if 'acache_jax' in str(w.message)]\n"
+            "    from acache_jax import layout\n"
+            "    old = [(w.category.__name__, str(w.message), w.filename, w.lineno) for w in seen\n"
+            "           if 'acache_jax' in str(w.message)]\n"
             "print(new, old)")
     run = _python(code)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == ("[] [('DeprecationWarning', "
-                                  "'acache_jax.decode is now acache_jax.decoding.decode')]"), run.stdout
+    # each warning points at the user's line that imported the old path (here: <string>, lines 6 and 7)
+    assert run.stdout.strip() == ("[] [('DeprecationWarning', 'acache_jax.decode is now acache_jax.decoding.decode', "
+                                  "'<string>', 6), ('DeprecationWarning', 'acache_jax.layout is now "
+                                  "acache_jax.decoding.layout', '<string>', 7)]"), run.stdout
 
 
 def test_an_unknown_name_is_still_an_error():
