@@ -217,7 +217,8 @@ def host_profile(run, top: int) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | shots (affix tokens) | B | recompute ms base / acache (cut) | tok/s base / acache (speedup) | "
-             "in-block step ms | probe, affix fill, host (% of ACache run; host over the runs, collections) | peak KV GB (cut) | MFU base / acache | "
+             "in-block step ms | probe, affix fill, host (% of ACache run; host over the runs, collections) | "
+             "peak KV GB (cut) | MFU base / acache | "
              "s: run / time model, base; acache |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, a = r["baseline"], r["acache"]

@@ -111,11 +111,11 @@ def test_the_layout_names_every_module():
     unnamed = []
     for top in ("acache_jax", "convert", "eval", "pallas_kernels"):
         assert top in text, f"the Layout has no entry for {top}/"
+        words = set(re.findall(r"[\w.]+", text[top]))
         for module in sorted((ROOT / top).rglob("*.py")):
             parts = module.relative_to(ROOT / top).with_suffix("").parts
             if parts[-1] in ("__init__", "__main__") or parts[0] == "models":
                 continue
-            words = set(re.findall(r"[\w.]+", text[top]))
             folder_named = len(parts) == 1 or f"{'/'.join(parts[:-1])}/" in text[top]
             if parts[-1] not in words or not folder_named:
                 unnamed.append(str(module.relative_to(ROOT)))

@@ -121,7 +121,8 @@ def kv_copies(cfg: ModelConfig, tp: int) -> int:
 def check_mesh(mesh: Mesh, cfg: ModelConfig) -> None:
     """One clear error for a mesh the model cannot be split over."""
     if tuple(mesh.axis_names) != MESH_AXES:
-        raise MeshError(f"the mesh must have axes {MESH_AXES} (acache_jax.network.sharding.make_mesh), got {mesh.axis_names}")
+        raise MeshError(f"the mesh must have axes {MESH_AXES} (acache_jax.network.sharding.make_mesh), "
+                        f"got {mesh.axis_names}")
     tp = tensor_parallel_size(mesh)
     sizes = (("attention heads", cfg.num_heads), ("MLP hidden size", cfg.intermediate_size),
              ("vocabulary", cfg.vocab_size))
