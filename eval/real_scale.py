@@ -104,17 +104,19 @@ def child(module: str, argv: list[str]) -> None:
 def trace_load():
     """(profiled loads) Time the loader's threads, which a profile of the calling thread does not
     see: when the compiling thread took and finished each program (`sharding.compiling_ahead`), how
-    long the placing threads took over each kind of tensor (`place_param`: its transfer and its
-    program's call, which waits while that program compiles) and each fusion, and when the
-    parameters were done. Returns a function that prints the timeline to stderr, in seconds from now."""
+    long the copying threads took over each kind of tensor (`transfer_param`), the relayout thread
+    over each (`place_param`: its program's call, which waits while that program compiles) and each
+    fusion, and when the bytes were copied and the parameters done. Returns a function that prints
+    the timeline to stderr, in seconds from now."""
     import threading
 
     from acache_jax.network import checkpoint
     t0 = time.perf_counter()
-    ahead, place, fuse, read = (checkpoint.compiling_ahead, checkpoint.place_param, checkpoint.fuse_param,
-                                checkpoint.read_hf)
+    ahead, copy, place, fuse, read = (checkpoint.compiling_ahead, checkpoint.transfer_param, checkpoint.place_param,
+                                      checkpoint.fuse_param, checkpoint.read_hf)
     compiled: list[tuple[str, float, float]] = []  # (program, taken, done)
     calls: dict[str, list[float]] = {}  # kind of call -> seconds of each
+    copied: list[tuple[int, float]] = []  # (bytes, when) of each tensor copied to the device
     done: list[tuple[int, float]] = []  # (bytes, when) of each parameter handed out
     shapes = lambda arrays: " ".join("x".join(map(str, a.shape)) for a in arrays if hasattr(a, "shape"))  # noqa: E731
 
@@ -133,6 +135,11 @@ def trace_load():
         calls.setdefault(kind, []).append(time.perf_counter() - started)
         return out
 
+    def timed_copy(path, array, *args, **kwargs):
+        out = timed(f"copy ({shapes([array])})", copy, path, array, *args, **kwargs).block_until_ready()
+        copied.append((out.nbytes, time.perf_counter() - t0))
+        return out
+
     def timed_place(path, array, *args, **kwargs):
         kind = f"place ({shapes([array])}{', transposed' if kwargs.get('transposed') else ''})"
         return timed(kind, place, path, array, *args, **kwargs)
@@ -145,18 +152,19 @@ def trace_load():
             done.append((array.nbytes, time.perf_counter() - t0))
             yield path, array
 
-    checkpoint.compiling_ahead, checkpoint.place_param, checkpoint.fuse_param, checkpoint.read_hf = (
-        timed_ahead, timed_place, timed_fuse, timed_read)
+    (checkpoint.compiling_ahead, checkpoint.transfer_param, checkpoint.place_param, checkpoint.fuse_param,
+     checkpoint.read_hf) = (timed_ahead, timed_copy, timed_place, timed_fuse, timed_read)
 
     def report() -> None:
         lines = [f"load timeline, seconds from the start ({threading.active_count()} threads alive):"]
         lines += [f"  compiled ahead {n}: taken {a:.2f}, done {b:.2f}" for n, a, b in compiled]
         lines += [f"  {n}: {len(t)} calls, {sum(t):.2f} s in all, longest {max(t):.3f} s" for n, t in calls.items()]
-        total, placed, marks = sum(n for n, _ in done), 0, [0.1, 0.25, 0.5, 0.75, 1.0]
-        for nbytes, when in done:
-            placed += nbytes
-            while marks and placed >= marks[0] * total:
-                lines.append(f"  {marks.pop(0):.0%} of the parameters' bytes placed at {when:.2f}")
+        for what, events in (("the files' bytes copied to the device", copied), ("the parameters' bytes placed", done)):
+            total, so_far, marks = sum(n for n, _ in events), 0, [0.1, 0.25, 0.5, 0.75, 1.0]
+            for nbytes, when in sorted(events, key=lambda e: e[1]):
+                so_far += nbytes
+                while marks and so_far >= marks[0] * total:
+                    lines.append(f"  {marks.pop(0):.0%} of {what} at {when:.2f}")
         print("\n".join(lines), file=sys.stderr)
 
     return report

@@ -218,6 +218,44 @@ def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypa
     assert len(called) == len(kinds) + len(fused) + 1
 
 
+def test_copies_go_on_while_a_relayout_waits_for_its_program(tmp_path, monkeypatch):
+    """A snapshot's bytes keep going to the device while a relayout or fusion waits for its program
+    (an 8B load's placing threads waited on the compiling thread with a gigabyte in flight): the
+    bound on bytes in flight counts copies, not tensors waiting for their relayout. Here the bound
+    is one tensor and no program runs until every tensor is copied; a loader that waited for a
+    relayout before copying more would stop (the wait's timeout) instead of loading."""
+    import threading
+
+    from acache_jax.network import checkpoint, sharding
+    from acache_jax.network.hf_checkpoint import key_map
+
+    cfg = dream_config()  # biases too: a fusion of parts that need no relayout
+    src = _hf(tmp_path, cfg, shards=2)
+    tensors = len(key_map(acache_jax.load(src).config))
+    copied, all_copied = [], threading.Event()
+    transfer, call = checkpoint.transfer_param, sharding._call
+
+    def counting(*args, **kwargs):
+        out = transfer(*args, **kwargs)
+        copied.append(out)
+        if len(copied) == tensors:
+            all_copied.set()
+        return out
+
+    def waiting(program, *arrays):
+        if program is not checkpoint._all_finite:  # the check runs once all is placed
+            assert all_copied.wait(30), f"a relayout waited with {len(copied)} of {tensors} tensors copied"
+        return call(program, *arrays)
+
+    monkeypatch.setattr(checkpoint, "IN_FLIGHT_BYTES", 1)
+    monkeypatch.setattr(checkpoint, "transfer_param", counting)
+    monkeypatch.setattr(sharding, "_call", waiting)
+    model = acache_jax.load(src, dtype="float32")  # as stored: a waiting tensor holds nothing beyond its parameter
+    monkeypatch.undo()
+    assert len(copied) == tensors
+    np.testing.assert_array_equal(np.asarray(model.logits(IDS)), np.asarray(acache_jax.load(src).logits(IDS)))
+
+
 def test_loads_build_the_abstract_model_once_on_the_compiling_thread(tmp_path, monkeypatch):
     """The network's shape-only model (0.15 s to build at 8B size, which a snapshot's load spent
     after its read) is built once per config and dtype, on the thread compiling ahead while the files

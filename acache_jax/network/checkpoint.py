@@ -34,7 +34,8 @@ from acache_jax.network.hf_checkpoint import (ST_DTYPES, CheckpointError, Entry,
                                               stored_dtype)
 from acache_jax.network.model import Model, abstract_transformer
 from acache_jax.network.sharding import (FUSED_PARTS, compiling_ahead, fuse_param, is_qkv, kv_copies, load_programs,
-                                         param_sharding, place_param, sharded_config)
+                                         param_sharding, place_param, sharded_config,
+                                         transfer_param)
 from acache_jax.network.tokenizer import TOKENIZER_FILES, LazyTokenizer, ships_tokenizer
 
 FORMAT_FILE = "acache.json"
@@ -247,54 +248,86 @@ PLACE_THREADS = 4  # transfers from pageable host memory go faster several at a 
 
 def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
             desc: str = "loading") -> Iterator[tuple[tuple, jax.Array]]:
-    """(our param path, device array in our layout) for every parameter of an HF snapshot, in file
-    order: the host maps the files' bytes, the device transposes and casts them
-    (acache_jax.network.sharding.place_param). A few tensors are placed at once on threads; a tensor is
-    done once its transfer and relayout are, and no more than IN_FLIGHT_BYTES (or one tensor, if
-    larger) are in flight, so neither memory holds more than that beyond the model (unbounded, an
-    8B load peaked at twice the model on the device).
+    """(our param path, device array in our layout) for every parameter of an HF snapshot: the host
+    maps the files' bytes and copies them to the device as they are (`transfer_param`, a few
+    tensors at once on threads), and the device transposes and casts them (`place_param`, on a
+    thread of its own, in file order).
 
-    A done tensor is handed out, or, if it is a part of a fused parameter (q/k/v, gate/up:
+    The two stages are apart so that the copies go on while a relayout waits for its program,
+    which compiles or is read from the compilation cache meanwhile (`compiling_ahead`): an 8B load
+    spent most of a second with its placing threads waiting on that lock while a gigabyte was in
+    flight. Bytes on the device waiting for their relayout are the model's own (their parameter
+    replaces them), so the bound is on what loading adds: copies in flight, plus what a waiting
+    tensor stored in a wider dtype holds beyond its parameter, stay within IN_FLIGHT_BYTES (or one
+    tensor, if larger). Unbounded, an 8B load peaked at twice the model on the device.
+
+    A relaid-out tensor is handed out, or, if it is a part of a fused parameter (q/k/v, gate/up:
     `Entry.part`), held on the device until its siblings are done too; the device then builds the
-    parameter (`fuse_param`), which is handed out in their place, and the parts go. Siblings are
-    often neighbours in the files, but need not be (LLaDA-8B's shards hold every layer's q_proj,
-    then every k_proj, ...): held parts are bytes of the model (their parameter replaces them), so
-    the device holds at most the model, the tensors in flight and one parameter being fused."""
-    with ThreadPoolExecutor(PLACE_THREADS, thread_name_prefix="place-weights") as pool:
-        window: deque[tuple[Entry, int, Future]] = deque()
-        in_flight = 0
-        held: dict[tuple, dict[str, jax.Array]] = {}  # fused parameter path -> its parts done so far
+    parameter (`fuse_param`, on the relayout thread too, as its program may still be compiling),
+    which is handed out in their place, and the parts go. Siblings are often neighbours in the
+    files, but need not be (LLaDA-8B's shards hold every layer's q_proj, then every k_proj, ...):
+    held parts are bytes of the model too, so the device holds at most the model, the bytes in
+    flight and one tensor being relaid out or one parameter being fused."""
+    item = jnp.dtype(dtype).itemsize
+    held: dict[tuple, dict[str, jax.Array]] = {}  # fused parameter path -> its parts done so far
 
-        def done() -> Iterator[tuple[tuple, jax.Array]]:
+    def settle(entry: Entry, array: jax.Array) -> tuple[tuple, jax.Array] | None:  # on the relayout thread
+        array = place_param(entry.path, array, cfg, mesh, dtype, transposed=entry.transpose,
+                            part=entry.part).block_until_ready()
+        if entry.part is None:
+            return entry.path, array
+        parts = held.setdefault(entry.path, {})
+        parts[entry.part] = array
+        del array
+        names = FUSED_PARTS[entry.path[-2]]
+        if len(parts) < len(names):
+            return None
+        del held[entry.path]
+        return entry.path, fuse_param(entry.path, [parts.pop(name) for name in names], cfg, mesh).block_until_ready()
+
+    with (ThreadPoolExecutor(PLACE_THREADS, thread_name_prefix="place-weights") as copying,
+          ThreadPoolExecutor(1, thread_name_prefix="relayout-weights") as relayout):
+        copies: deque[tuple[Entry, int, Future]] = deque()  # (entry, bytes in flight, its transfer)
+        relayouts: deque[tuple[int, Future]] = deque()  # (bytes beyond its parameter, its relayout)
+        in_flight = 0
+
+        def copied() -> None:  # the oldest copy is on the device: queue its relayout
             nonlocal in_flight
-            entry, nbytes, future = window.popleft()
-            in_flight -= nbytes
+            entry, nbytes, future = copies.popleft()
             array = future.result().block_until_ready()
-            if entry.part is None:
-                yield entry.path, array
-                return
-            parts = held.setdefault(entry.path, {})
-            parts[entry.part] = array
-            del array
-            names = FUSED_PARTS[entry.path[-2]]
-            if len(parts) == len(names):
-                del held[entry.path]
-                fused = fuse_param(entry.path, [parts.pop(name) for name in names], cfg, mesh)
-                yield entry.path, fused.block_until_ready()
+            extra = max(0, array.nbytes - array.size * item)
+            in_flight += extra - nbytes
+            relayouts.append((extra, relayout.submit(settle, entry, array)))
+
+        def done() -> Iterator[tuple[tuple, jax.Array]]:  # the oldest relayout: a parameter, or a part held
+            nonlocal in_flight
+            extra, future = relayouts.popleft()
+            param = future.result()
+            in_flight -= extra
+            if param is not None:
+                yield param
 
         try:
             for entry, tensor in iter_tensors(path, cfg, progress(f"{desc} {path.name}")):
-                while window and in_flight + tensor.nbytes > IN_FLIGHT_BYTES:
+                while in_flight and in_flight + tensor.nbytes > IN_FLIGHT_BYTES:
+                    if copies:
+                        copied()
+                    else:
+                        yield from done()
+                while relayouts and relayouts[0][1].done():
                     yield from done()
-                window.append((entry, tensor.nbytes, pool.submit(
-                    place_param, entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose, part=entry.part)))
+                copies.append((entry, tensor.nbytes, copying.submit(
+                    transfer_param, entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose,
+                    part=entry.part)))
                 in_flight += tensor.nbytes
                 del tensor  # the map goes once its transfer is done
-            while window:
+            while copies:
+                copied()
+            while relayouts:
                 yield from done()
             assert not held, f"parts without all their siblings: {sorted(held)}"  # key_map lists every part
         finally:
-            for _, _, future in window:
+            for future in (*(f for _, _, f in copies), *(f for _, f in relayouts)):
                 future.cancel()
 
 

@@ -232,12 +232,22 @@ def place_param(path: Sequence[Any], array: np.ndarray | jax.Array, cfg: ModelCo
     """
     plan = _placing(path, array.dtype, cfg, mesh, dtype, transposed, part)
     if not isinstance(array, jax.Array):
-        if plan.source is None:  # uncommitted: inputs made later (uncommitted too) then run the same programs
-            array = jax.device_put(array)
-        else:
-            host = array
-            array = jax.make_array_from_callback(host.shape, plan.source, lambda index: host[index])
+        array = _transfer(array, plan.source)
     return array if plan.program is None else _call(plan.program, array)
+
+
+def transfer_param(path: Sequence[Any], array: np.ndarray, cfg: ModelConfig, mesh: Mesh | None, dtype: Any,
+                   transposed: bool = False, part: str | None = None) -> jax.Array:
+    """A checkpoint's bytes as read (`place_param`'s arguments) copied to the device as they are,
+    where `place_param` then lays them out. Apart so that a loader can go on copying while a
+    relayout waits for its program to compile (`compiling_ahead`)."""
+    return _transfer(array, _placing(path, array.dtype, cfg, mesh, dtype, transposed, part).source)
+
+
+def _transfer(host: np.ndarray, source: NamedSharding | None) -> jax.Array:
+    if source is None:  # uncommitted: inputs made later (uncommitted too) then run the same programs
+        return jax.device_put(host)
+    return jax.make_array_from_callback(host.shape, source, lambda index: host[index])
 
 
 class _Placing(NamedTuple):
