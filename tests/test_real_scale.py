@@ -40,7 +40,7 @@ def test_bench_load_times_every_variant_on_a_snapshot(tmp_path):
     run = subprocess.run([sys.executable, "-m", "eval.bench_load", str(tmp_path / "snap")], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
-    for line in ("read/16MiB again", "acache_jax.load #1 (as is)", "_read_hf", "_check_finite",
+    for line in ("read/16MiB again", "acache_jax.load #1 (as is)", "  read_hf: ", "then the rest of load: ",
                  "acache_jax.load pinned staging, threads 8", "put/mmap threads=8", "chunked/put threads=16"):
         assert line in run.stdout, (line, run.stdout)
 
