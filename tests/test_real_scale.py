@@ -24,6 +24,8 @@ def test_real_scale_runs_each_entry_point_and_reads_the_cache_back(tmp_path):
                           "generate, warm cache", "generate converted, warm cache"]
     assert all(row.get("rc", 0) == 0 and "error" not in row for row in rows.values())
     assert all(row["peak_rss_gb"] > 0 and row["programs"] > 0 for row in rows.values() if "rc" in row)
+    # the memory each process held itself, sampled apart from the file pages its maps count in RSS
+    assert all(0 < row["peak_anon_gb"] <= row["peak_rss_gb"] for row in rows.values() if "rc" in row)
     for cold, warm in (("load snapshot, cold cache", "load snapshot, warm cache"),
                        ("generate, cold cache", "generate, warm cache")):
         cold, warm = rows[cold], rows[warm]
