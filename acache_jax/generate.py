@@ -43,6 +43,7 @@ from acache_jax.network.config import (ATTENTION_BACKENDS, CACHE_POLICIES, FIELD
                                        DreamAlg, InputError, Remasking)
 from acache_jax.network.model import Model, check_text
 from acache_jax.network.sharding import initialize_distributed, make_mesh
+from acache_jax.network.tokenizer import LazyTokenizer
 
 # Per-request keys of --input lines that map onto DecodeConfig fields: every field but classifier-free
 # guidance (not a flag: likelihood scoring's) and the attention backend (--backend, for the whole run).
@@ -454,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             initialize_distributed()
         model = load(args.model or DEFAULT_MODEL, dtype=args.dtype, mesh=_mesh(args))
         jobs = _jobs(model, args)
+        if isinstance(model.tokenizer, LazyTokenizer):  # unless the jobs' text loaded it: the answers' text needs it
+            model.tokenizer.load_beside()
         with _sigint_remembered() as interrupts, compile_cache.note_long_compiles():
             out = _Output(model, args.json, interrupts)
             if args.engine:

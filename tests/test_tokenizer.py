@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import unicodedata
 from pathlib import Path
 
@@ -379,6 +380,38 @@ def test_corrupt_file_is_named(case, tmp_path):
     with pytest.raises(TokenizerError, match=re.escape(str(file))):
         load_tokenizer(d)
     assert issubclass(TokenizerError, ValueError)
+
+
+def test_a_lazy_tokenizer_loads_beside_its_caller(tmp_path, monkeypatch):
+    """`LazyTokenizer.load_beside` (what the command line does while it decodes) loads on a thread of
+    its own, once; a first use meanwhile waits for that load and gets its tokenizer. A load that
+    fails there is raised by the first use."""
+    from acache_jax.network import tokenizer
+
+    load, entered, release, loads = load_tokenizer, threading.Event(), threading.Event(), []
+
+    def slow(path):
+        loads.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(60)
+        return load(path)
+
+    monkeypatch.setattr(tokenizer, "load_tokenizer", slow)
+    lazy = tokenizer.LazyTokenizer(write_dream(tmp_path / "dream"))
+    lazy.load_beside()
+    assert entered.wait(60)  # the thread holds the load
+    threading.Timer(0.2, release.set).start()
+    assert lazy("a cat")["input_ids"] == load(tmp_path / "dream")("a cat")["input_ids"]
+    assert loads == ["load-tokenizer"]
+    lazy.load_beside()  # loaded: nothing more
+    assert loads == ["load-tokenizer"]
+
+    broken = write_dream(tmp_path / "broken")
+    (broken / "merges.txt").unlink()
+    lazy = tokenizer.LazyTokenizer(broken)
+    lazy.load_beside()
+    with pytest.raises(TokenizerError, match="merges"):
+        lazy.loaded()
 
 
 def test_silent_on_stderr(dream):

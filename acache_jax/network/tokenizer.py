@@ -108,6 +108,19 @@ class LazyTokenizer:
                 self._tokenizer = load_tokenizer(self._path)
             return self._tokenizer
 
+    def load_beside(self) -> None:
+        """Start loading on a thread of its own; a first use then waits for it. For a caller that
+        knows nothing else imports meanwhile (the command line while it decodes: the answer's text
+        needs the tokenizer, and importing transformers is seconds of Python that would otherwise
+        come after the decode). An error there is left to the first use, which raises it."""
+        def run() -> None:
+            try:
+                self.loaded()
+            except Exception:  # noqa: BLE001 - the first use loads again and raises it
+                pass
+        if self._tokenizer is None:
+            threading.Thread(target=run, name="load-tokenizer", daemon=True).start()
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loaded(), name)
 
