@@ -94,7 +94,8 @@ class LazyTokenizer:
     that thread took 6.9 s against 3.8 s for the weights (docs/BENCHMARKS.md, fifth real-scale run).
     Loading it on a thread after `load` returned raced the caller's own imports (`datasets` read a
     half-imported transformers module). So a run given token ids loads it only for the answer's
-    text, and a run given text where it first tokenizes."""
+    text (the command line, while it decodes: `load_beside`), and a run given text where it first
+    tokenizes."""
 
     def __init__(self, path: str | Path):
         self._path = Path(path)
