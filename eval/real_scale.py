@@ -135,8 +135,8 @@ def trace_load():
         calls.setdefault(kind, []).append(time.perf_counter() - started)
         return out
 
-    def timed_copy(path, array, *args, **kwargs):
-        out = timed(f"copy ({shapes([array])})", copy, path, array, *args, **kwargs).block_until_ready()
+    def timed_copy(path, array, *args, **kwargs):  # until the bytes are on the device (a call may return before)
+        out = timed(f"copy ({shapes([array])})", lambda: copy(path, array, *args, **kwargs).block_until_ready())
         copied.append((out.nbytes, time.perf_counter() - t0))
         return out
 

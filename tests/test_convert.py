@@ -227,11 +227,12 @@ def test_copies_go_on_while_a_relayout_waits_for_its_program(tmp_path, monkeypat
     import threading
 
     from acache_jax.network import checkpoint, sharding
+    from acache_jax.network.config import ModelConfig
     from acache_jax.network.hf_checkpoint import key_map
 
     cfg = dream_config()  # biases too: a fusion of parts that need no relayout
     src = _hf(tmp_path, cfg, shards=2)
-    tensors = len(key_map(acache_jax.load(src).config))
+    tensors = len(key_map(ModelConfig.from_file(src)))
     copied, all_copied = [], threading.Event()
     transfer, call = checkpoint.transfer_param, sharding._call
 
