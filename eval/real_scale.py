@@ -141,8 +141,7 @@ def trace_load():
         return out
 
     def timed_place(path, array, *args, **kwargs):
-        pieces = array if isinstance(array, list) else [array]  # a tensor copied in row pieces: a list
-        kind = f"place ({shapes(pieces)}{', transposed' if kwargs.get('transposed') else ''})"
+        kind = f"place ({shapes([array])}{', transposed' if kwargs.get('transposed') else ''})"
         return timed(kind, place, path, array, *args, **kwargs)
 
     def timed_fuse(path, parts, *args, **kwargs):

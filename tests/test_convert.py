@@ -192,15 +192,13 @@ def test_the_host_only_reads_bytes_the_device_transposes_and_casts(tmp_path, mon
         np.testing.assert_array_equal(got, want.astype(np.dtype("bfloat16")), err_msg=name)
 
 
-@pytest.mark.parametrize("cfg,piece_bytes", [(llada_config(), None), (llada_config(), 7000),
-                                              (dream_config(num_attention_heads=4, num_key_value_heads=2), None)],
-                         ids=["llada", "llada-in-pieces", "dream-gqa"])
-def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypatch, cfg, piece_bytes):
+@pytest.mark.parametrize("cfg", [llada_config(), dream_config(num_attention_heads=4, num_key_value_heads=2)],
+                         ids=["llada", "dream-gqa"])
+def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypatch, cfg):
     """Loading a snapshot compiles its programs on a thread of its own while it reads
     (`sharding.compiling_ahead`): what it foresees is exactly what placing the tensors, fusing the
     parts and the finiteness check then call, signature for signature, so that none of them compiles
-    a program on the loading threads, and nothing is compiled that no call needs; also when tensors
-    are copied in row pieces (`sharding.row_pieces`), which their relayout joins."""
+    a program on the loading threads, and nothing is compiled that no call needs."""
     from flax import nnx
 
     from acache_jax.network import checkpoint, sharding
@@ -208,8 +206,6 @@ def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypa
     from tests.mesh_checks import foreseen_and_called
 
     src = _hf(tmp_path, cfg, shards=2)
-    if piece_bytes is not None:
-        monkeypatch.setattr(sharding, "PIECE_BYTES", piece_bytes)
     foreseen, called = foreseen_and_called(monkeypatch.setattr)
     model = acache_jax.load(src, dtype="bfloat16")  # the files hold float32: every tensor is cast
     leaves = [a for _, a in checkpoint._finite_order(checkpoint._flatten(nnx.to_pure_dict(model.params)))]
@@ -220,38 +216,6 @@ def test_a_snapshot_load_compiles_ahead_every_program_it_runs(tmp_path, monkeypa
     kinds = {(e.hf_shape, e.transpose) for e in entries}
     fused = {e.path[-2:] for e in entries if e.part is not None}  # qkv kernel (and bias), gate_up kernel
     assert len(called) == len(kinds) + len(fused) + 1
-
-
-def test_a_large_tensor_is_copied_in_row_pieces_and_joined_on_the_device(tmp_path, monkeypatch):
-    """A tensor over `sharding.PIECE_BYTES` goes to the device in row pieces, each copied on a
-    thread of its own (one copy from pageable memory runs on one thread), and the device joins
-    them: each piece is within the bound, and the model is the one a load of whole tensors gives,
-    bit for bit (bfloat16, cast from the files' float32 on the device)."""
-    import jax
-
-    from acache_jax.network import sharding
-
-    cfg, limit = llada_config(), 7000  # the embedding (32 KiB) in 5 pieces of 25-26 rows, q_proj in 3
-    weights = random_weights(cfg, seed=4)
-    src = _hf(tmp_path, cfg, shards=2, weights=weights)
-    whole = jax_leaves(acache_jax.load(src, dtype="bfloat16"))
-    handed: list[np.ndarray] = []
-    device_put = jax.device_put
-    monkeypatch.setattr(sharding, "PIECE_BYTES", limit)
-    monkeypatch.setattr(jax, "device_put", lambda x, *a, **k: (isinstance(x, np.ndarray) and handed.append(x),
-                                                                device_put(x, *a, **k))[1])
-    pieced = jax_leaves(acache_jax.load(src, dtype="bfloat16"))
-    monkeypatch.undo()
-    assert max(h.nbytes for h in handed) <= limit and len(handed) > 2 * len(weights)
-    # every tensor's rows, in consecutive pieces: each piece is a run of rows of one stored tensor
-    rows = {r.tobytes(): (name, i) for name, w in weights.items() for i, r in enumerate(w.reshape(len(w), -1))}
-    for h in handed:
-        spans = [rows[r.tobytes()] for r in h.reshape(len(h), -1)]
-        assert len({n for n, _ in spans}) == 1 and [i for _, i in spans] == list(range(spans[0][1], spans[-1][1] + 1))
-    assert sum(h.size for h in handed) == sum(w.size for w in weights.values())
-    assert [p for p, _ in whole] == [p for p, _ in pieced]
-    for (path, a), (_, b) in zip(whole, pieced):
-        assert a.dtype == b.dtype and np.array_equal(a, b), path
 
 
 def test_copies_go_on_while_a_relayout_waits_for_its_program(tmp_path, monkeypatch):

@@ -34,7 +34,7 @@ from acache_jax.network.hf_checkpoint import (ST_DTYPES, CheckpointError, Entry,
                                               stored_dtype)
 from acache_jax.network.model import Model, abstract_transformer
 from acache_jax.network.sharding import (FUSED_PARTS, compiling_ahead, fuse_param, is_qkv, kv_copies, load_programs,
-                                         param_sharding, place_param, row_pieces, sharded_config,
+                                         param_sharding, place_param, sharded_config,
                                          transfer_param)
 from acache_jax.network.tokenizer import TOKENIZER_FILES, LazyTokenizer, ships_tokenizer
 
@@ -250,8 +250,8 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
             desc: str = "loading") -> Iterator[tuple[tuple, jax.Array]]:
     """(our param path, device array in our layout) for every parameter of an HF snapshot: the host
     maps the files' bytes and copies them to the device as they are (`transfer_param`, a few
-    tensors at once on threads, a large one in pieces: `row_pieces`), and the device transposes
-    and casts them (`place_param`, on a thread of its own, in file order).
+    tensors at once on threads), and the device transposes and casts them (`place_param`, on a
+    thread of its own, in file order).
 
     The two stages are apart so that the copies go on while a relayout waits for its program,
     which compiles or is read from the compilation cache meanwhile (`compiling_ahead`): an 8B load
@@ -271,10 +271,9 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
     item = jnp.dtype(dtype).itemsize
     held: dict[tuple, dict[str, jax.Array]] = {}  # fused parameter path -> its parts done so far
 
-    def settle(entry: Entry, pieces: list[jax.Array]) -> tuple[tuple, jax.Array] | None:  # on the relayout thread
-        array = place_param(entry.path, pieces if len(pieces) > 1 else pieces[0], cfg, mesh, dtype,
-                            transposed=entry.transpose, part=entry.part).block_until_ready()
-        del pieces
+    def settle(entry: Entry, array: jax.Array) -> tuple[tuple, jax.Array] | None:  # on the relayout thread
+        array = place_param(entry.path, array, cfg, mesh, dtype, transposed=entry.transpose,
+                            part=entry.part).block_until_ready()
         if entry.part is None:
             return entry.path, array
         parts = held.setdefault(entry.path, {})
@@ -288,17 +287,17 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
 
     with (ThreadPoolExecutor(PLACE_THREADS, thread_name_prefix="place-weights") as copying,
           ThreadPoolExecutor(1, thread_name_prefix="relayout-weights") as relayout):
-        copies: deque[tuple[Entry, int, list[Future]]] = deque()  # (entry, bytes in flight, its pieces' transfers)
+        copies: deque[tuple[Entry, int, Future]] = deque()  # (entry, bytes in flight, its transfer)
         relayouts: deque[tuple[int, Future]] = deque()  # (bytes beyond its parameter, its relayout)
         in_flight = 0
 
         def copied() -> None:  # the oldest copy is on the device: queue its relayout
             nonlocal in_flight
-            entry, nbytes, futures = copies.popleft()
-            pieces = [future.result().block_until_ready() for future in futures]
-            extra = max(0, nbytes - sum(piece.size for piece in pieces) * item)
+            entry, nbytes, future = copies.popleft()
+            array = future.result().block_until_ready()
+            extra = max(0, array.nbytes - array.size * item)
             in_flight += extra - nbytes
-            relayouts.append((extra, relayout.submit(settle, entry, pieces)))
+            relayouts.append((extra, relayout.submit(settle, entry, array)))
 
         def done() -> Iterator[tuple[tuple, jax.Array]]:  # the oldest relayout: a parameter, or a part held
             nonlocal in_flight
@@ -317,9 +316,9 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
                         yield from done()
                 while relayouts and relayouts[0][1].done():
                     yield from done()
-                copies.append((entry, tensor.nbytes, [copying.submit(
-                    transfer_param, entry.path, piece, cfg, mesh, dtype, transposed=entry.transpose,
-                    part=entry.part) for piece in row_pieces(tensor, mesh)]))
+                copies.append((entry, tensor.nbytes, copying.submit(
+                    transfer_param, entry.path, tensor, cfg, mesh, dtype, transposed=entry.transpose,
+                    part=entry.part)))
                 in_flight += tensor.nbytes
                 del tensor  # the map goes once its transfer is done
             while copies:
@@ -328,7 +327,7 @@ def read_hf(path: Path, cfg: ModelConfig, dtype: Any, mesh: Mesh | None = None,
                 yield from done()
             assert not held, f"parts without all their siblings: {sorted(held)}"  # key_map lists every part
         finally:
-            for future in (*(f for _, _, fs in copies for f in fs), *(f for _, f in relayouts)):
+            for future in (*(f for _, _, f in copies), *(f for _, f in relayouts)):
                 future.cancel()
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -213,58 +212,36 @@ def split_parts(module: str, leaf: Any, kv_heads: int, head_dim: int) -> dict[st
     return dict(zip(FUSED_PARTS[module], parts, strict=True))
 
 
-def place_param(path: Sequence[Any], array: np.ndarray | jax.Array | Sequence[jax.Array], cfg: ModelConfig,
-                mesh: Mesh | None, dtype: Any, transposed: bool = False, part: str | None = None) -> jax.Array:
+def place_param(path: Sequence[Any], array: np.ndarray | jax.Array, cfg: ModelConfig, mesh: Mesh | None,
+                dtype: Any, transposed: bool = False, part: str | None = None) -> jax.Array:
     """One parameter, or one part of a fused one, onto the device (or its shards on `mesh`), in our
     layout and `dtype`; `cfg` is the checkpoint's (KV heads not copied).
 
     `array` holds a checkpoint's bytes as read (host memory; `transposed`: PyTorch's [out, in]
-    layout of an [in, out] kernel), an array already placed, or a large tensor's rows in pieces
-    already placed (`row_pieces`, each copied by `transfer_param`), which the device joins. The
-    host only copies bytes: the transpose, the cast and the KV-head copies run on the device, where
-    they take microseconds (on the host they cost most of an 8B model's load). On a mesh each
-    device receives only its own slice of the stored tensor (no device ever holds a whole split
-    tensor), except where KV heads are copied (`kv_copies` > 1): the k and v parts, which are
-    small, and a whole qkv leaf of a converted checkpoint (stored without copies), which is
-    re-laid out for the copies here.
+    layout of an [in, out] kernel) or an array already placed. The host only copies bytes: the
+    transpose, the cast and the KV-head copies run on the device, where they take microseconds
+    (on the host they cost most of an 8B model's load). On a mesh each device receives only its
+    own slice of the stored tensor (no device ever holds a whole split tensor), except where KV
+    heads are copied (`kv_copies` > 1): the k and v parts, which are small, and a whole qkv leaf of
+    a converted checkpoint (stored without copies), which is re-laid out for the copies here.
 
     part: which part of the fused parameter at `path` `array` is (FUSED_PARTS; `fuse_param` then
     builds the parameter). A part is split over `model` as its parameter's columns are, so that each
     device receives the parts of its own groups or hidden units and the fusion is local: q by query
     head, k and v by KV head (whole on every device when copied), gate and up by hidden unit.
     """
-    pieces = list(array) if isinstance(array, (list, tuple)) else [array]
-    plan = _placing(path, pieces[0].dtype, cfg, mesh, dtype, transposed, part, len(pieces))
-    pieces = [p if isinstance(p, jax.Array) else _transfer(p, plan.source) for p in pieces]
-    return pieces[0] if plan.program is None else _call(plan.program, *pieces)
+    plan = _placing(path, array.dtype, cfg, mesh, dtype, transposed, part)
+    if not isinstance(array, jax.Array):
+        array = _transfer(array, plan.source)
+    return array if plan.program is None else _call(plan.program, array)
 
 
 def transfer_param(path: Sequence[Any], array: np.ndarray, cfg: ModelConfig, mesh: Mesh | None, dtype: Any,
                    transposed: bool = False, part: str | None = None) -> jax.Array:
-    """A checkpoint's bytes as read (`place_param`'s arguments), or one piece of them (`row_pieces`),
-    copied to the device as they are, where `place_param` then lays them out. Apart so that a loader
-    can go on copying while a relayout waits for its program to compile (`compiling_ahead`)."""
+    """A checkpoint's bytes as read (`place_param`'s arguments) copied to the device as they are,
+    where `place_param` then lays them out. Apart so that a loader can go on copying while a
+    relayout waits for its program to compile (`compiling_ahead`)."""
     return _transfer(array, _placing(path, array.dtype, cfg, mesh, dtype, transposed, part).source)
-
-
-PIECE_BYTES = 1 << 28  # a tensor larger than this is copied to the device in row pieces, at once (`row_pieces`)
-
-
-def row_pieces(array: np.ndarray, mesh: Mesh | None) -> list[np.ndarray]:
-    """`array`'s rows in pieces of at most about PIECE_BYTES (views), for a loader to copy to the
-    device at once, on several threads (`transfer_param` each), and `place_param` to join there. A
-    copy from pageable host memory runs on one thread: an 8B load on an H100 spent 0.8 s copying
-    Dream's 1.09 GB embedding alone while the other tensors, four at a time, came at 18 GB/s. On a
-    mesh a tensor stays whole (each device's slice is a copy of its own)."""
-    return np.split(array, np.cumsum([s[0] for s in _piece_shapes(array.shape, array.dtype, mesh)])[:-1])
-
-
-def _piece_shapes(shape: tuple[int, ...], dtype: Any, mesh: Mesh | None) -> list[tuple[int, ...]]:
-    """The shapes of `row_pieces` of a tensor (one: the tensor's own)."""
-    nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
-    n = 1 if mesh is not None or not shape else max(1, min(shape[0], -(-nbytes // PIECE_BYTES)))
-    rows, longer = divmod(shape[0], n) if n > 1 else (0, 0)
-    return [tuple(shape)] if n == 1 else [(rows + (i < longer), *shape[1:]) for i in range(n)]
 
 
 def _transfer(host: np.ndarray, source: NamedSharding | None) -> jax.Array:
@@ -280,15 +257,15 @@ class _Placing(NamedTuple):
 
 
 def _placing(path: Sequence[Any], stored: Any, cfg: ModelConfig, mesh: Mesh | None, dtype: Any, transposed: bool,
-             part: str | None, pieces: int = 1) -> _Placing:
-    """How `place_param` places a tensor of dtype `stored` in `pieces` (and `load_programs` foresees it)."""
+             part: str | None) -> _Placing:
+    """How `place_param` places a tensor of dtype `stored` (and `load_programs` foresees it)."""
     copies, target = _copies_and_sharding(path, cfg, mesh)
     if target is not None and copies > 1 and part in ("k", "v"):
         target = NamedSharding(mesh, P())  # fewer KV heads than devices: whole, copied by fuse_param
     regroup = copies if part is None else 1  # a whole qkv leaf laid out for no copies
     source = None if mesh is None else NamedSharding(
         mesh, P() if regroup > 1 else P(*reversed(target.spec)) if transposed else target.spec)
-    if not transposed and regroup == 1 and pieces == 1 and jnp.dtype(stored) == jnp.dtype(dtype):
+    if not transposed and regroup == 1 and jnp.dtype(stored) == jnp.dtype(dtype):
         return _Placing(source, None, target)
     return _Placing(source, _relayout(jnp.dtype(dtype), transposed, regroup, cfg.num_kv_heads, cfg.head_dim, target),
                     target)
@@ -322,11 +299,10 @@ def load_programs(tensors: Iterable[tuple[Sequence[Any], tuple[int, ...], Any, b
         programs.setdefault(_signature(program, inputs), (program, inputs))
 
     for path, shape, stored, transposed, part in tensors:
-        shapes = _piece_shapes(shape, stored, mesh)  # as a loader copies it (`row_pieces`)
-        plan = _placing(path, stored, cfg, mesh, dtype, transposed, part, len(shapes))
+        plan = _placing(path, stored, cfg, mesh, dtype, transposed, part)
         placed = jax.ShapeDtypeStruct(shape, stored, sharding=plan.source)
         if plan.program is not None:
-            add(plan.program, tuple(jax.ShapeDtypeStruct(s, stored, sharding=plan.source) for s in shapes))
+            add(plan.program, (placed,))
             # shape: a part (the only placed tensor the fusion reads) is never regrouped
             placed = jax.ShapeDtypeStruct(shape[::-1] if transposed else shape, jnp.dtype(dtype), sharding=plan.target)
         if part is not None:
@@ -408,8 +384,7 @@ def _relayout(dtype: Any, transposed: bool, copies: int, kv_heads: int, head_dim
               sharding: NamedSharding | None) -> Any:
     """The device's part of loading one kind of tensor, compiled once per kind (not per layer);
     copies > 1: a whole qkv leaf laid out for none, re-laid out with each KV head `copies` times."""
-    def run(*pieces):  # a tensor's rows, in one piece or more (`row_pieces`)
-        x = jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+    def run(x):
         x = (x.T if transposed else x).astype(dtype)
         if copies == 1:
             return x
