@@ -8,8 +8,9 @@ decode the same requests with the same weights: `batch` requests of a shared pre
 `shots` GSM8K-like few-shot examples (SHOT_TOKENS tokens each, about what LLaDA's tokenizer gives
 a GSM8K example with its worked answer) + a QUESTION_TOKENS-token question, gen 256, block 32, a
 fixed commit schedule (`--steps`; both policies do the same NFE), ratio 0.2.
-Every case is compiled first (a whole warm-up run per case and policy, several at once in threads),
-then timed on fresh engines, one case at a time: `--repeats` plain runs (the median run's tokens/s
+Every case is compiled first (a whole warm-up run per case and policy, several at once in threads;
+one that runs out of device memory beside the others runs again alone: `warm_up`), then timed on
+fresh engines, one case at a time: `--repeats` plain runs (the median run's tokens/s
 and host time, the time the device waited for the host; the spread of the host share over the runs)
 and a profiled run that waits for every jitted call (recompute, probe and in-block step latencies;
 the affix fill, timed apart from the probe in the same iteration). Python's garbage collections
@@ -29,6 +30,7 @@ import dataclasses
 import gc
 import json
 import time
+import traceback
 from pathlib import Path
 
 import jax
@@ -134,6 +136,43 @@ def warm(model, shots: int, batch: int, policy: str, args) -> None:
     """Compile a case's programs: one whole run (every iteration's shapes)."""
     affix, requests, pool_tokens, configs = case_configs(model.config, shots, batch, args)
     new_engine(model, configs[policy], pool_tokens, batch, args).generate(requests, affix)
+
+
+def warm_up(warm_case, cases: list, threads: int, deadline: float) -> list:
+    """The cases whose warm-ups (`warm_case(case, policy)`, one per policy) finished by `deadline`,
+    in order. They run `threads` at once (compilation is host work), but each holds its engine's
+    pool on the device, and long affixes at B16 do not fit an 80 GB card beside each other. So a
+    warm-up that ran out of device memory runs again alone, after the others; a case with one that
+    fails otherwise is reported and left out."""
+    def failure(future) -> BaseException | None:
+        if not future.done() or future.cancelled() or future.exception() is None:
+            return None
+        error = future.exception()
+        traceback.clear_frames(error.__traceback__)  # its frames held the engine, and so its pool
+        return error
+
+    left = lambda: deadline - time.perf_counter()  # noqa: E731
+    with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+        warming = {(case, p): ex.submit(warm_case, case, p) for case in cases for p in POLICIES}
+        concurrent.futures.wait(warming.values(), timeout=None if left() == float("inf") else max(0.0, left()))
+        ex.shutdown(wait=True, cancel_futures=True)
+    errors = {key: failure(f) for key, f in warming.items()}
+    done = {key for key, f in warming.items() if f.done() and not f.cancelled() and errors[key] is None}
+    gc.collect()
+    for key, error in errors.items():
+        if error is not None and "RESOURCE_EXHAUSTED" in str(error) and left() > 0:
+            try:
+                warm_case(*key)
+                done.add(key)
+                errors[key] = None
+            except Exception as e:  # noqa: BLE001 - reported below, like the others
+                traceback.clear_frames(e.__traceback__)
+                errors[key] = e
+                gc.collect()
+    for case in cases:
+        if failed := [errors[case, p] for p in POLICIES if errors[case, p] is not None]:
+            print(json.dumps(dict(case=case, error=repr(failed[0])[:300])), flush=True)
+    return [case for case in cases if all((case, p) in done for p in POLICIES)]
 
 
 def run_case(model, name: str, shots: int, batch: int, args) -> dict:
@@ -259,7 +298,8 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (smoke runs); default: the full model")
     add_case_args(ap)
     ap.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting new cases after this")
-    ap.add_argument("--compile-threads", type=int, default=8, help="cases compiled in parallel before timing")
+    ap.add_argument("--compile-threads", type=int, default=8,
+                    help="cases compiled in parallel before timing (one out of device memory is retried alone)")
     ap.add_argument("--compile-s", type=float, default=None, help="time for compiling (default: half the budget)")
     ap.add_argument("--meshes", default="none", type=parse_meshes,
                     help="each model under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1 (rows model@tp1dp1)")
@@ -275,22 +315,11 @@ def main(argv=None) -> None:
     models = {name if label == "none" else f"{name}@{label}": random_model(shapes[name](args.layers), mesh=mesh)
               for name in args.models.split(",") for label, mesh in args.meshes.items()}
     cases = [(name, shots, batch) for shots in args.shots for batch in args.batches for name in models]
-    # Compile every case first, in parallel threads (compilation is host work); then time the cases
-    # one at a time, so no timed run shares the GPU. Cases not compiled by half the budget are left out.
+    # Compile every case first (then time them one at a time, so no timed run shares the GPU).
+    # Cases not compiled by half the budget are left out.
     compile_deadline = start + (args.budget_s / 2 if args.compile_s is None else args.compile_s)
-    with concurrent.futures.ThreadPoolExecutor(args.compile_threads) as ex:
-        warming = {case: [ex.submit(warm, models[case[0]], case[1], case[2], p, args) for p in POLICIES]
-                   for case in cases}
-        left = compile_deadline - time.perf_counter()
-        concurrent.futures.wait([f for fs in warming.values() for f in fs],
-                                timeout=None if left == float("inf") else max(0.0, left))
-        ex.shutdown(wait=True, cancel_futures=True)
-    ready = [case for case in cases if all(f.done() and not f.cancelled() and f.exception() is None
-                                           for f in warming[case])]
-    for case in cases:
-        errors = [f.exception() for f in warming[case] if f.done() and not f.cancelled() and f.exception()]
-        if errors:
-            print(json.dumps(dict(case=case, error=repr(errors[0])[:300])), flush=True)
+    ready = warm_up(lambda case, policy: warm(models[case[0]], case[1], case[2], policy, args), cases,
+                    args.compile_threads, compile_deadline)
     print(json.dumps(dict(t=round(time.perf_counter() - start, 1), compiled=len(ready), of=len(cases))), flush=True)
     rows = []
     for name, shots, batch in ready:

@@ -1,0 +1,46 @@
+"""eval.bench_engine's warm-up: cases compiled several at once; one that ran out of device memory
+beside the others runs again alone, with nothing of the failed attempts held."""
+
+import gc
+import threading
+import time
+import weakref
+
+from eval.bench_engine import POLICIES, warm_up
+
+
+def test_a_warm_up_out_of_device_memory_runs_again_alone(capsys):
+    class Pool:  # what a warm-up's engine holds on the device
+        pass
+
+    failed: list[weakref.ref] = []  # the pools of the attempts that ran out of memory
+    retried: list[tuple[str, str]] = []
+
+    def warm(case: str, policy: str) -> None:
+        pool = Pool()
+        if case == "long" and threading.current_thread() is not threading.main_thread():
+            failed.append(weakref.ref(pool))
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.12GiB")
+        if case == "long":  # again, alone: the failed attempts' frames (their pools) are gone
+            gc.collect()
+            assert failed and all(ref() is None for ref in failed)
+            retried.append((case, policy))
+        if case == "broken":
+            raise ValueError("no such case")
+        del pool
+
+    ready = warm_up(warm, ["short", "long", "broken"], threads=4, deadline=float("inf"))
+    assert ready == ["short", "long"] and retried == [("long", p) for p in POLICIES]
+    out = capsys.readouterr().out
+    assert "no such case" in out and "RESOURCE_EXHAUSTED" not in out
+
+
+def test_no_warm_up_starts_again_past_the_deadline(capsys):
+    def warm(case: str, policy: str) -> None:
+        if threading.current_thread() is threading.main_thread():
+            raise AssertionError("retried past the deadline")
+        time.sleep(0.8)  # both started (2 threads), and still running at the deadline
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+
+    assert warm_up(warm, ["long"], threads=2, deadline=time.perf_counter() + 0.3) == []
+    assert "RESOURCE_EXHAUSTED" in capsys.readouterr().out
