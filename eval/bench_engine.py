@@ -144,12 +144,14 @@ def warm_up(warm_case, cases: list, threads: int, deadline: float) -> list:
     pool on the device, and long affixes at B16 do not fit an 80 GB card beside each other. So a
     warm-up that ran out of device memory runs again alone, after the others; a case with one that
     fails otherwise is reported and left out."""
+    def forget(error: BaseException) -> BaseException:
+        traceback.clear_frames(error.__traceback__)  # its frames held the engine, and so its pool
+        return error
+
     def failure(future) -> BaseException | None:
         if not future.done() or future.cancelled() or future.exception() is None:
             return None
-        error = future.exception()
-        traceback.clear_frames(error.__traceback__)  # its frames held the engine, and so its pool
-        return error
+        return forget(future.exception())
 
     left = lambda: deadline - time.perf_counter()  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
@@ -166,8 +168,7 @@ def warm_up(warm_case, cases: list, threads: int, deadline: float) -> list:
                 done.add(key)
                 errors[key] = None
             except Exception as e:  # noqa: BLE001 - reported below, like the others
-                traceback.clear_frames(e.__traceback__)
-                errors[key] = e
+                errors[key] = forget(e)
                 gc.collect()
     for case in cases:
         if failed := [errors[case, p] for p in POLICIES if errors[case, p] is not None]:

@@ -12,11 +12,12 @@ them), then with more placing threads and a larger in-flight window, then with e
 through pinned host memory (monkeypatched here, to try them before changing the library); under
 each, the time from the start of the load until `read_hf` handed out its last parameter (the read,
 copies, relayouts and fusions) and what the load did after it (the finiteness check, the model
-filled) (`load` reads no tokenizer: that is loaded at its first use). The rest time one way of moving every tensor to the device each: a host copy of
-the mapped tensor (`hostcopy`), `device_put` of the mapped tensor on 1-8 threads (`put`), of a
-MAP_POPULATE map (`populate`), of a pread into fresh memory (`pread`), of tensors already in
-anonymous memory (`resident`, also one batched call and the pinned-host round trip), via pinned
-host memory (`pinned`), and in 64 MiB pieces concatenated on the device (`chunked`).
+filled). `load` reads no tokenizer: that is loaded at its first use. The rest time one way of
+moving every tensor to the device each: a host copy of the mapped tensor (`hostcopy`), `device_put`
+of the mapped tensor on 1-8 threads (`put`), of a MAP_POPULATE map (`populate`), of a pread into
+fresh memory (`pread`), of tensors already in anonymous memory (`resident`, also one batched call
+and the pinned-host round trip), via pinned host memory (`pinned`), and in 64 MiB pieces
+concatenated on the device (`chunked`).
 """
 import mmap
 import sys
