@@ -30,7 +30,6 @@ import dataclasses
 import gc
 import json
 import time
-import traceback
 from pathlib import Path
 
 import jax
@@ -144,14 +143,10 @@ def warm_up(warm_case, cases: list, threads: int, deadline: float) -> list:
     pool on the device, and long affixes at B16 do not fit an 80 GB card beside each other. So a
     warm-up that ran out of device memory runs again alone, after the others; a case with one that
     fails otherwise is reported and left out."""
-    def forget(error: BaseException) -> BaseException:
-        traceback.clear_frames(error.__traceback__)  # its frames held the engine, and so its pool
-        return error
-
-    def failure(future) -> BaseException | None:
-        if not future.done() or future.cancelled() or future.exception() is None:
+    def failure(future) -> str | None:
+        if future.cancelled() or future.exception() is None:
             return None
-        return forget(future.exception())
+        return repr(future.exception())
 
     left = lambda: deadline - time.perf_counter()  # noqa: E731
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
@@ -159,20 +154,23 @@ def warm_up(warm_case, cases: list, threads: int, deadline: float) -> list:
         concurrent.futures.wait(warming.values(), timeout=None if left() == float("inf") else max(0.0, left()))
         ex.shutdown(wait=True, cancel_futures=True)
     errors = {key: failure(f) for key, f in warming.items()}
-    done = {key for key, f in warming.items() if f.done() and not f.cancelled() and errors[key] is None}
+    done = {key for key, f in warming.items() if not f.cancelled() and errors[key] is None}
+    # Only their descriptions are kept: an exception's traceback, and the tracebacks of those it was
+    # raised while handling, hold the frames of the failed attempt and so its engine's pool.
+    del warming
     gc.collect()
     for key, error in errors.items():
-        if error is not None and "RESOURCE_EXHAUSTED" in str(error) and left() > 0:
+        if error is not None and "RESOURCE_EXHAUSTED" in error and left() > 0:
             try:
                 warm_case(*key)
                 done.add(key)
                 errors[key] = None
             except Exception as e:  # noqa: BLE001 - reported below, like the others
-                errors[key] = forget(e)
-                gc.collect()
+                errors[key] = repr(e)
+            gc.collect()
     for case in cases:
         if failed := [errors[case, p] for p in POLICIES if errors[case, p] is not None]:
-            print(json.dumps(dict(case=case, error=repr(failed[0])[:300])), flush=True)
+            print(json.dumps(dict(case=case, error=failed[0][:300])), flush=True)
     return [case for case in cases if all((case, p) in done for p in POLICIES)]
 
 

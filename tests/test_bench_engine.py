@@ -16,11 +16,17 @@ def test_a_warm_up_out_of_device_memory_runs_again_alone(capsys):
     failed: list[weakref.ref] = []  # the pools of the attempts that ran out of memory
     retried: list[tuple[str, str]] = []
 
+    def run_step(pool: Pool) -> None:  # a frame below the warm-up's, holding the pool as a jitted call's does
+        raise KeyError("no room")
+
     def warm(case: str, policy: str) -> None:
         pool = Pool()
         if case == "long" and threading.current_thread() is not threading.main_thread():
             failed.append(weakref.ref(pool))
-            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.12GiB")
+            try:
+                run_step(pool)
+            except KeyError:  # the error a runtime raises while handling another one: a chain of tracebacks
+                raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 17.12GiB")
         if case == "long":  # again, alone: the failed attempts' frames (their pools) are gone
             gc.collect()
             assert failed and all(ref() is None for ref in failed)
