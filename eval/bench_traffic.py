@@ -1,7 +1,7 @@
 """The serving engine under realistic traffic, Fast-dLLM dual-cache baseline vs ACache side by side.
 
     python -m eval.bench_traffic --model acache_jax/models/llada-small [--requests 200] [--rate 4,14]
-    python -m eval.bench_traffic --shape llada [--requests 64] [--rate 2,8]   # 8B-shaped random weights
+    python -m eval.bench_traffic --shape llada --requests 256 --rate 40,160   # 8B-shaped random weights
 
 Requests arrive as a Poisson process (`--rate` per second; several rates run one after another)
 and mix three shared affixes, each placed as prefix, infix or suffix at random, with requests that
@@ -18,6 +18,8 @@ still compiled: 0 expected). ACache's affixes are built once beforehand, as a se
 holds them, and one request of each primes its fill. Both policies serve the same requests at the
 same arrival times.
 Reports generated tokens/s over the whole pass and request latency (arrival to finish) p50 / p99.
+At 8B shape on an H100 the baseline saturates near 40 requests/s (docs/BENCHMARKS.md): 4 and 16
+are low load there, 160 is past saturation for both policies.
 """
 
 from __future__ import annotations
