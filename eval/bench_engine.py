@@ -215,7 +215,8 @@ def run_case(model, name: str, shots: int, batch: int, args) -> dict:
                            host_fraction_range=[min(host_shares), max(host_shares)], runs=len(runs),
                            gc_ms=1e3 * gc_s,
                            model_seconds=model_s, peak_kv_gb=stats["peak_kv_bytes"] / 1e9,
-                           nfe=int(np.mean([r.nfe for r in results])), mfu=flops / stats["seconds"] / (PEAK_TFLOPS * 1e12),
+                           nfe=int(np.mean([r.nfe for r in results])),
+                           mfu=flops / stats["seconds"] / (PEAK_TFLOPS * 1e12),
                            padded_over_forward=stats["padded_tokens"] / stats["forward_tokens"],
                            iterations=stats["iterations"])
     b, a = row["baseline"], row["acache"]
