@@ -11,6 +11,7 @@ interrupted one left beside it.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -201,12 +202,12 @@ def _restore_converted(path: Path, cfg: ModelConfig, dtype: Any | None, mesh: Me
                 partial_restore=True))
 
         placed: list[tuple[tuple, jax.Array]] = []
-        groups = list(_groups(_flatten(target), in_flight))
+        groups = _groups(_flatten(target), in_flight)
         with ThreadPoolExecutor(RESTORE_THREADS, thread_name_prefix="restore-weights") as reader:
-            reading = deque(reader.submit(read, group) for group in groups[:RESTORE_THREADS])
-            for following in [*groups[RESTORE_THREADS:], *[None] * len(reading)]:
+            reading = deque(reader.submit(read, group) for group in itertools.islice(groups, RESTORE_THREADS))
+            while reading:
                 host = reading.popleft().result()
-                if following is not None:
+                if (following := next(groups, None)) is not None:
                     reading.append(reader.submit(read, following))
                 group_placed = [(p, place_param(p, a, cfg, None, dtype)) for p, a in _flatten(host)]
                 del host
