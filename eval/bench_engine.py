@@ -8,9 +8,9 @@ decode the same requests with the same weights: `batch` requests of a shared pre
 `shots` GSM8K-like few-shot examples (SHOT_TOKENS tokens each, about what LLaDA's tokenizer gives
 a GSM8K example with its worked answer) + a QUESTION_TOKENS-token question, gen 256, block 32, a
 fixed commit schedule (`--steps`; both policies do the same NFE), ratio 0.2.
-Every case is compiled first (a whole warm-up run per case and policy, several at once in threads;
-one that runs out of device memory beside the others runs again alone: `warm_up`), then timed on
-fresh engines, one case at a time: `--repeats` plain runs (the median run's tokens/s
+Every case is compiled first (a whole warm-up run per case and policy, in threads, as many at once
+as their KV pools fit the device; one that still runs out of device memory runs again alone:
+`warm_up`), then timed on fresh engines, one case at a time: `--repeats` plain runs (the median run's tokens/s
 and host time, the time the device waited for the host; the spread of the host share over the runs)
 and a profiled run that waits for every jitted call (recompute, probe and in-block step latencies;
 the affix fill, timed apart from the probe in the same iteration). Python's garbage collections
@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import gc
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +42,8 @@ from acache_jax.engine import Engine
 from acache_jax.engine.engine import DEFAULT_STEP_TOKENS, ENGINE_SELECTORS
 from acache_jax.network.config import DecodeConfig, ModelConfig
 from acache_jax.network.files import write_atomic
+from acache_jax.network.kv import KVPool
+from acache_jax.serve.cli import free_device_bytes
 from eval.bench_decode import PEAK_TFLOPS, llada_8b, parse_meshes, random_model
 
 SHOT_TOKENS = 230
@@ -64,6 +67,10 @@ def workload(cfg: ModelConfig, shots: int, batch: int, seed: int = 0) -> tuple[l
 
 TIME_MODEL_TFLOPS = 700.0  # sustained bf16 matmul rate assumed by the time model
 TIME_MODEL_TBPS = 4.0  # HBM read rate assumed by the time model
+# Of the device memory free after the weights, the share the warm-ups' pools may hold together; the
+# rest is for their activations and the autotuner's buffers (13-shot B16 and B4 side by side ran an
+# H100 out of memory, and so did their retries alone).
+POOL_SHARE = 0.6
 
 
 @dataclasses.dataclass
@@ -126,6 +133,12 @@ def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[i
     return affix, requests, pool_tokens, configs
 
 
+def pool_bytes(model, case: tuple, args) -> int:
+    """Device bytes of the KV pool a case's engines hold (`case` = (model name, shots, batch))."""
+    _, shots, batch = case
+    return case_configs(model.config, shots, batch, args)[2] * KVPool.slot_bytes(model.config, model.dtype)
+
+
 def new_engine(model, config: DecodeConfig, pool_tokens: int, batch: int, args, observer=None) -> Engine:
     return Engine(model, config, pool_tokens=pool_tokens, max_batch=batch, observer=observer,
                   max_step_tokens=args.max_step_tokens or None)
@@ -137,20 +150,40 @@ def warm(model, shots: int, batch: int, policy: str, args) -> None:
     new_engine(model, configs[policy], pool_tokens, batch, args).generate(requests, affix)
 
 
-def warm_up(warm_case, cases: list, threads: int, deadline: float) -> list:
+def warm_up(warm_case, cases: list, threads: int, deadline: float, case_bytes=None,
+            budget_bytes: int | None = None) -> list:
     """The cases whose warm-ups (`warm_case(case, policy)`, one per policy) finished by `deadline`,
     in order. They run `threads` at once (compilation is host work), but each holds its engine's
-    pool on the device, and long affixes at B16 do not fit an 80 GB card beside each other. So a
-    warm-up that ran out of device memory runs again alone, after the others; a case with one that
-    fails otherwise is reported and left out."""
+    pool on the device (`case_bytes(case)` bytes), and long affixes at B16 do not fit an 80 GB card
+    beside each other. So a warm-up starts only while the pools of those running leave room for its
+    own in `budget_bytes` (None: no limit), or when none is running. One that still ran out of
+    device memory (activations, the autotuner's buffers) runs again alone, after the others; a case
+    with one that fails otherwise is reported and left out."""
     def failure(future) -> str | None:
         if future.cancelled() or future.exception() is None:
             return None
         return repr(future.exception())
 
     left = lambda: deadline - time.perf_counter()  # noqa: E731
+    room = threading.Condition()
+    held = [0]  # bytes of the pools of the warm-ups running now
+
+    def gated(case, policy) -> None:
+        need = 0 if budget_bytes is None else case_bytes(case)
+        with room:
+            if not room.wait_for(lambda: held[0] == 0 or held[0] + need <= budget_bytes,
+                                 timeout=None if left() == float("inf") else max(0.0, left())):
+                raise TimeoutError("no room on the device before the compile deadline")
+            held[0] += need
+        try:
+            warm_case(case, policy)
+        finally:
+            with room:
+                held[0] -= need
+                room.notify_all()
+
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-        warming = {(case, p): ex.submit(warm_case, case, p) for case in cases for p in POLICIES}
+        warming = {(case, p): ex.submit(gated, case, p) for case in cases for p in POLICIES}
         concurrent.futures.wait(warming.values(), timeout=None if left() == float("inf") else max(0.0, left()))
         ex.shutdown(wait=True, cancel_futures=True)
     errors = {key: failure(f) for key, f in warming.items()}
@@ -318,8 +351,11 @@ def main(argv=None) -> None:
     # Compile every case first (then time them one at a time, so no timed run shares the GPU).
     # Cases not compiled by half the budget are left out.
     compile_deadline = start + (args.budget_s / 2 if args.compile_s is None else args.compile_s)
+    free = free_device_bytes()
     ready = warm_up(lambda case, policy: warm(models[case[0]], case[1], case[2], policy, args), cases,
-                    args.compile_threads, compile_deadline)
+                    args.compile_threads, compile_deadline,
+                    case_bytes=lambda case: pool_bytes(models[case[0]], case, args),
+                    budget_bytes=None if free is None else int(POOL_SHARE * free))
     print(json.dumps(dict(t=round(time.perf_counter() - start, 1), compiled=len(ready), of=len(cases))), flush=True)
     rows = []
     for name, shots, batch in ready:

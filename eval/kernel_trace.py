@@ -27,6 +27,7 @@ from pathlib import Path
 
 import jax
 
+from acache_jax import compile_cache
 from eval.bench_decode import llada_8b, random_model
 from eval.bench_engine import add_case_args, case_configs, dream_7b, new_engine, warm
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     add_case_args(p)  # how each case decodes: eval.bench_engine's flags and defaults
     args = p.parse_args(argv)
     cfg = llada_8b(args.layers or 32) if args.family == "llada" else dream_7b(args.layers or 28)
+    compile_cache.enable()  # the programs eval.bench_engine compiled for the same cases are read back
     model = random_model(cfg)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{args.family} {policy} B{batch} {args.shots}-shot: compiled in {traced - started:.1f} s, "
                   f"traced run {time.perf_counter() - traced:.2f} s, "
                   f"{engine.stats.summary()['tokens_per_s']:.0f} tok/s", flush=True)
+            del engine  # its KV pool: the next case's engine would not fit beside it (13-shot B16)
             summarise(trace_dir, f"{policy} B{batch}", args.top)
 
 

@@ -1,5 +1,6 @@
-"""eval.bench_engine's warm-up: cases compiled several at once; one that ran out of device memory
-beside the others runs again alone, with nothing of the failed attempts held."""
+"""eval.bench_engine's warm-up: cases compiled several at once, as many as their pools fit the
+device; one that ran out of device memory beside the others runs again alone, with nothing of the
+failed attempts held."""
 
 import gc
 import threading
@@ -50,3 +51,34 @@ def test_no_warm_up_starts_again_past_the_deadline(capsys):
 
     assert warm_up(warm, ["long"], threads=2, deadline=time.perf_counter() + 0.3) == []
     assert "RESOURCE_EXHAUSTED" in capsys.readouterr().out
+
+
+def test_warm_ups_run_together_only_while_their_pools_fit_the_budget():
+    sizes = {"b16": 28, "b4": 7, "b1": 2}  # GB of each case's pool (LLaDA 13-shot)
+    lock, running, peak, together = threading.Lock(), [], [0], set()
+
+    def warm(case: str, policy: str) -> None:
+        with lock:
+            running.append(case)
+            peak[0] = max(peak[0], sum(sizes[c] for c in running))
+            if len(running) > 1:
+                together.add(frozenset(running))
+        time.sleep(0.2)
+        with lock:
+            running.remove(case)
+
+    ready = warm_up(warm, list(sizes), threads=8, deadline=float("inf"), case_bytes=sizes.get, budget_bytes=26)
+    assert ready == list(sizes)
+    assert peak[0] == 28  # the 28 GB pool ran alone, over the budget; nothing ran beside it
+    assert not any("b16" in group for group in together)
+    assert together  # the small ones did share the device
+
+
+def test_a_warm_up_waiting_for_room_gives_up_at_the_deadline(capsys):
+    def warm(case: str, policy: str) -> None:
+        time.sleep(0.8)
+
+    ready = warm_up(warm, ["a", "b"], threads=4, deadline=time.perf_counter() + 0.3, case_bytes=lambda c: 10,
+                    budget_bytes=10)
+    assert ready == []  # the first two held the room past the deadline; the others never started
+    assert "no room on the device before the compile deadline" in capsys.readouterr().out
