@@ -10,10 +10,10 @@ a GSM8K example with its worked answer) + a QUESTION_TOKENS-token question, gen 
 fixed commit schedule (`--steps`; both policies do the same NFE), ratio 0.2.
 Every case is compiled first (a whole warm-up run per case and policy, in threads, as many at once
 as their KV pools fit the device; one that still runs out of device memory runs again alone:
-`warm_up`), then timed on fresh engines, one case at a time: `--repeats` plain runs (the median run's tokens/s
-and host time, the time the device waited for the host; the spread of the host share over the runs)
-and a profiled run that waits for every jitted call (recompute, probe and in-block step latencies;
-the affix fill, timed apart from the probe in the same iteration). Python's garbage collections
+`warm_up`), then timed on fresh engines, one case at a time: `--repeats` plain runs (the median
+run's tokens/s and host time, the time the device waited for the host; the spread of the host
+share over the runs) and a profiled run that waits for every jitted call (recompute, probe and
+in-block step latencies; the affix fill, timed apart from the probe in the same iteration). Python's garbage collections
 inside the plain runs are timed (`gc_ms`), so that a pause is not mistaken for host work.
 Reported per policy: those, peak KV memory (pool blocks in use), MFU (FLOPs of the tokens computed
 / time / 800 TFLOP/s) and the time model: each forward at
@@ -31,7 +31,9 @@ import gc
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -150,8 +152,8 @@ def warm(model, shots: int, batch: int, policy: str, args) -> None:
     new_engine(model, configs[policy], pool_tokens, batch, args).generate(requests, affix)
 
 
-def warm_up(warm_case, cases: list, threads: int, deadline: float, case_bytes=None,
-            budget_bytes: int | None = None) -> list:
+def warm_up(warm_case: Callable[[Any, str], None], cases: list, threads: int, deadline: float,
+            case_bytes: Callable[[Any], int] | None = None, budget_bytes: int | None = None) -> list:
     """The cases whose warm-ups (`warm_case(case, policy)`, one per policy) finished by `deadline`,
     in order. They run `threads` at once (compilation is host work), but each holds its engine's
     pool on the device (`case_bytes(case)` bytes), and long affixes at B16 do not fit an 80 GB card
