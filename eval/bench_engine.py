@@ -13,12 +13,14 @@ as their KV pools fit the device; one that still runs out of device memory runs 
 `warm_up`), then timed on fresh engines, one case at a time: `--repeats` plain runs (the median
 run's tokens/s and host time, the time the device waited for the host; the spread of the host
 share over the runs) and a profiled run that waits for every jitted call (recompute, probe and
-in-block step latencies; the affix fill, timed apart from the probe in the same iteration). Python's garbage collections
-inside the plain runs are timed (`gc_ms`), so that a pause is not mistaken for host work.
-Reported per policy: those, peak KV memory (pool blocks in use), MFU (FLOPs of the tokens computed
-/ time / 800 TFLOP/s) and the time model: each forward at
+in-block step latencies; the affix fill, timed apart from the probe in the same iteration).
+Python's garbage collections inside the plain runs are timed (`gc_ms`), so that a pause is not
+mistaken for host work. Reported per policy: those, peak KV memory (pool blocks in use), MFU
+(FLOPs of the tokens computed / time / 800 TFLOP/s) and the time model: each forward at
 TIME_MODEL_TFLOPS or at the time to read the weights at TIME_MODEL_TBPS, whichever is longer, no
-host gaps; ACache's affix fill (the affix run alone, once per case) is one of its forwards.
+host gaps; ACache's affix fill (the affix run alone, once per case) is one of its forwards. It
+counts no KV reads, which at long affixes and B16 are more bytes than the weights (docs/BENCHMARKS.md,
+eleventh run).
 """
 
 from __future__ import annotations
