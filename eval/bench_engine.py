@@ -169,26 +169,27 @@ def warm_up(warm_case: Callable[[Any, str], None], cases: list, threads: int, de
         return repr(future.exception())
 
     left = lambda: deadline - time.perf_counter()  # noqa: E731
+    timeout = lambda: None if deadline == float("inf") else max(0.0, left())  # noqa: E731 - a wait until the deadline
     room = threading.Condition()
-    held = [0]  # bytes of the pools of the warm-ups running now
+    held = 0  # bytes of the pools of the warm-ups running now
 
     def gated(case, policy) -> None:
+        nonlocal held
         need = 0 if budget_bytes is None else case_bytes(case)
         with room:
-            if not room.wait_for(lambda: held[0] == 0 or held[0] + need <= budget_bytes,
-                                 timeout=None if left() == float("inf") else max(0.0, left())):
+            if not room.wait_for(lambda: held == 0 or held + need <= budget_bytes, timeout=timeout()):
                 raise TimeoutError("no room on the device before the compile deadline")
-            held[0] += need
+            held += need
         try:
             warm_case(case, policy)
         finally:
             with room:
-                held[0] -= need
+                held -= need
                 room.notify_all()
 
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
         warming = {(case, p): ex.submit(gated, case, p) for case in cases for p in POLICIES}
-        concurrent.futures.wait(warming.values(), timeout=None if left() == float("inf") else max(0.0, left()))
+        concurrent.futures.wait(warming.values(), timeout=timeout())
         ex.shutdown(wait=True, cancel_futures=True)
     errors = {key: failure(f) for key, f in warming.items()}
     done = {key for key, f in warming.items() if not f.cancelled() and errors[key] is None}

@@ -80,5 +80,5 @@ def test_a_warm_up_waiting_for_room_gives_up_at_the_deadline(capsys):
 
     ready = warm_up(warm, ["a", "b"], threads=4, deadline=time.perf_counter() + 0.3, case_bytes=lambda c: 10,
                     budget_bytes=10)
-    assert ready == []  # the first two held the room past the deadline; the others never started
+    assert ready == []  # the first held the room past the deadline; the other three gave up waiting
     assert "no room on the device before the compile deadline" in capsys.readouterr().out
