@@ -22,14 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest  # noqa: E402
 
-# Tracing makes many short-lived Python objects, and a worker's heap grows with every model, jaxpr
-# and compiled program its files leave behind: at Python's default thresholds (700, 10, 10) the
-# collector ran about 2,000 times in test_acache.py alone, 11 of them full passes over that heap
-# (2.8 s of 101). Collecting young objects 30 times less often cut that to 0.5 s and the file's CPU
-# time by about 8%, at the same peak memory; cycles are still collected, and the teardown below
-# collects everything when it drops JAX's caches.
-gc.set_threshold(20_000, 20, 20)
-
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
