@@ -57,14 +57,17 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-# The longest files, longest first (worker seconds from a fresh clone on the 2-core CI machine,
-# 2026-12-05: 262, 208, 168, 124, 120, 105, 97, 95, 87, 80, 75, 71, 57 of 2,052 in all). With --dist
-# loadfile the workers take whole files in collection order, so a long file collected last (the
-# soak tests, alphabetically near the end) ran alone while the others idled; handing out the long
-# ones first balances the workers.
-LONG_FILES = ("test_engine.py", "test_soak.py", "test_acache.py", "test_readme.py", "test_checkpoints.py",
-              "test_sharding.py", "test_train.py", "test_serve.py", "test_engine_bf16.py", "test_lm_eval.py",
-              "test_decode.py", "test_compile_cache.py", "test_real_scale.py")
+# The longest files, longest first (wall seconds in a full run on the 2-core CI machine with three
+# workers, 2026-12-06: 299, 249, 184, 134, 128, 126, 111, 110, 110, 92, 88, 74, 71, 69, 64, 57, 53
+# of 2,413 worker-seconds). With --dist loadfile the workers take whole files in the order of the
+# work queue, so a long file handed out last (the soak tests, the one bf16 test) runs alone while
+# the others idle; handing out the long ones first balances the workers. xdist would otherwise
+# order the queue by tests per file (`--loadscope-reorder`, its default), which put the 1-test
+# bf16 file and the 3-test soak file last: pyproject.toml passes --no-loadscope-reorder.
+LONG_FILES = ("test_engine.py", "test_soak.py", "test_acache.py", "test_readme.py", "test_engine_bf16.py",
+              "test_checkpoints.py", "test_sharding.py", "test_train.py", "test_serve.py", "test_lm_eval.py",
+              "test_decode.py", "test_compile_cache.py", "test_acache_parity.py", "test_real_scale.py",
+              "test_generate_cli.py", "test_serve_limits.py", "test_affix_sweep.py")
 
 
 def pytest_collection_modifyitems(items):
