@@ -36,12 +36,19 @@ from acache_jax.decoding.layout import bucket, row_bucket, token_bucket
 from acache_jax.decoding.sampling import Commits, SamplerConfig
 from acache_jax.engine.scheduler import Plan, StepOutput, Work
 from acache_jax.engine.sequence import SequenceState
+from acache_jax.network.attention import resolve_backend
 from acache_jax.network.config import DecodeConfig
 from acache_jax.network.kv import (AffixCache, KVPool, PoolAccess, ReadSet, distinct_past_end, flat_index,
                                    rotated_from_zero, rows_access)
 from acache_jax.network.model import ForwardInputs, Structure
 
-TILE_ROWS = 128  # query rows per attention tile (tokens x the query heads of one kv head)
+TILE_ROWS = 128  # the kernel's query rows per attention tile (tokens x the query heads of one kv head)
+# The jnp attention computes every query row of a tile, padding included, and a segment's last tile
+# is partial: a packed step of M tokens in S segments computes up to (M + S x tile) rows. Short
+# tiles waste less; each tile gathers its read sets once, so not too short. On a CPU, tiles of 128
+# tokens made a packed step of the fixture LLaDA 22 ms (32 tokens: 13 ms) and the soak's server
+# (tests/test_soak.py, shipped llada-small) answered 25 requests/s (32 tokens: 35).
+XLA_TILE_TOKENS = 32
 # A packed step may run on an already compiled token axis up to this many times its tokens long
 # rather than compile its own bucket (see Runner.token_axis).
 REUSE_PADDING = 1.5
@@ -254,6 +261,8 @@ class Runner:
         self.pool = KVPool.zeros(model.config, num_slots, model.dtype, model.mesh)
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
+        if resolve_backend(config.attn_backend, model.config.head_dim) == "xla":
+            self.tile_tokens = min(self.tile_tokens, XLA_TILE_TOKENS)
         self.observer = observer
         # Fixed shapes (a server): read widths for the engine's whole context (the longest request it
         # serves) and token axes from FIXED_AXIS, so the programs do not depend on the traffic and

@@ -30,7 +30,8 @@ def default_backend(head_dim: int) -> str:
     return "pallas" if jax.default_backend() == "gpu" and supported_on_gpu(head_dim) else "xla"
 
 
-def _backend(backend: str | None, head_dim: int) -> str:
+def resolve_backend(backend: str | None, head_dim: int) -> str:
+    """The backend a forward runs: the one asked for (checked), else `default_backend`."""
     backend = backend or default_backend(head_dim)
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {ATTENTION_BACKENDS}")
@@ -104,7 +105,7 @@ def _importance(q: jax.Array, k_pool: jax.Array, slots: jax.Array, lens: jax.Arr
 def attend_dense(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, valid: jax.Array,
                  rope_theta: float, backend: str | None = None) -> jax.Array:
     """Rows attending to their own tokens. q/k/v: [B, T, H, D] before RoPE; positions, valid: [B, T]."""
-    backend = _backend(backend, q.shape[-1])
+    backend = resolve_backend(backend, q.shape[-1])
     q, k = rope(q, positions, rope_theta), rope(k, positions, rope_theta)
     if backend == "xla":
         return dense_attention(q, k, v, valid)
@@ -128,7 +129,7 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
     [S, N] of the probed read set's rows: per row, the probe-weighted sum over queries and heads of
     the softmax over that set's rows alone).
     """
-    backend = _backend(backend, q.shape[-1])
+    backend = resolve_backend(backend, q.shape[-1])
     (layer_k,), (layer_v,) = access.pool.k, access.pool.v
     write = distinct_past_end(access.write_slots, layer_k.shape[0])
     pool_k = constrain_kv(layer_k.at[write].set(rope(k[None], positions[None], rope_theta)[0].astype(layer_k.dtype),
