@@ -79,13 +79,17 @@ def test_no_recompilation_in_steady_state(fixtures_dir):
     steps = (runner.packed_step, runner.block_loop)
     shifted = lambda d: [Request([t + d for t in r.prompt], tail=r.tail, affix_position=r.affix_position, seed=9 + d)
                          for r in reversed(REQUESTS[:4])]
-    # The first run grows the read-set widths to what this workload needs; the second runs every
-    # step at those widths.
+    # The first run grows the read-set widths to what this workload needs; the next ones run the
+    # steps at those widths, with and without a second read set (a step whose requests all read
+    # their affix in their own set has none: `Runner._reads_whole`), for the mixes of placements
+    # that their finishing order leaves together.
     engine.generate(REQUESTS[:4], AFFIX)
     engine.generate(shifted(1), AFFIX)
+    engine.generate(shifted(2), AFFIX)
     compiled = [f._cache_size() for f in steps]
     # Different prompts of similar lengths and another arrival order: every shape was seen before.
-    engine.generate(shifted(2), AFFIX)
+    for d in (3, 4):
+        engine.generate(shifted(d), AFFIX)
     assert [f._cache_size() for f in steps] == compiled
 
 
@@ -326,3 +330,30 @@ def test_a_step_token_bound_splits_the_work_and_changes_no_token(fixtures_dir):
         Engine(model, cfg, max_step_tokens=0)
     # bounded by default (the 8B-shaped step it bounds is too large for this suite: docs/BENCHMARKS.md)
     assert Engine(model, cfg, pool_tokens=64).scheduler.max_step_tokens == DEFAULT_STEP_TOKENS == 16_384
+
+
+def test_requests_whose_affix_starts_at_zero_read_one_set_after_their_probe(fixtures_dir, monkeypatch):
+    """Their shared affix rows are stored rotated at their own positions, so after the probe they
+    read them in their own set (one attention call a layer, not two and a merge), with the static
+    path's tokens; a request with its affix elsewhere reads two sets, and so does every step of an
+    engine with fixed shapes (the programs it warmed up)."""
+    model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
+    cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
+    sets = []
+    loop = runner.block_loop
+
+    def counting(structure, cfg, packing, *args):
+        reads, _ = jax.tree.unflatten(packing.treedef, list(range(len(packing.leaves))))
+        sets.append(len(reads))
+        return loop(structure, cfg, packing, *args)
+
+    monkeypatch.setattr(runner, "block_loop", counting)
+    prefixed = [REQUESTS[0], REQUESTS[3]]
+    static = generate(model, prefixed, cfg, affix=AFFIX)
+    for requests, fixed, want in ((prefixed, False, 1), (prefixed, True, 2), (REQUESTS[1:2], False, 2)):
+        sets.clear()
+        engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2, fixed_shapes=fixed)
+        results = engine.generate(requests, AFFIX)
+        assert sets and set(sets) == {want}, (requests[0].affix_position, fixed, sets)
+        if requests is prefixed:
+            assert [r.tokens.tolist() for r in results] == [t.tolist() for t in static.tokens]

@@ -117,11 +117,18 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
         private_valid = take(batch.valid & ~shared, private)
         compact = jnp.cumsum(~shared, axis=1) - 1  # column -> index among the private columns
         own_slot = L + row_ids * n_private  # a row's first private pool row
-        reads = (read_set(own_slot + jnp.arange(n_private)[None], private_valid, zero),)
-        if not cfg.drop_non_anchor:
+        if cfg.drop_non_anchor:
+            reads = (read_set(own_slot + jnp.arange(n_private)[None], private_valid, zero),)
+        else:
+            # A row whose affix starts at position 0 reads the shared rows at its own offset: one
+            # set of every column, in column order, as the engine reads such a request
+            # (`Runner._reads_whole`); other rows read the shared rows as a second set.
+            offset = take(batch.positions, batch.affix_start[:, None])[:, 0]
+            whole = (offset == 0)[:, None]
+            slot = jnp.where(shared, col - batch.affix_start[:, None], own_slot + compact)
             anchor_local = jnp.zeros((b, L), bool).at[row_ids, anchors].set(True)
-            reads += (read_set(jnp.broadcast_to(jnp.arange(L), (b, L)), ~anchor_local,
-                               take(batch.positions, batch.affix_start[:, None])[:, 0]),)
+            reads = (read_set(slot, batch.valid & (~shared | whole), zero),
+                     read_set(jnp.broadcast_to(jnp.arange(L), (b, L)), ~anchor_local & ~whole, offset))
         pool0 = KVPool(tuple(jnp.zeros((L + b * n_private, *a.shape[1:]), a.dtype).at[:L].set(a)
                              for a in affix.rotated_k(mcfg.rope_theta)),
                        tuple(jnp.zeros((L + b * n_private, *a.shape[1:]), a.dtype).at[:L].set(a)

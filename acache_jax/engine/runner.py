@@ -304,7 +304,8 @@ class Runner:
         change once for a queue of requests rather than as each longer one starts."""
         if self.fixed_shapes:  # sized for the context, which bounds every request the engine takes
             return
-        needed = (seq.num_private(seq.num_anchors), seq.affix_len if seq.shares_affix else 0)
+        own = seq.num_columns if self._reads_whole(seq) else seq.num_private(seq.num_anchors)
+        needed = (own, seq.affix_len if seq.shares_affix else 0)
         self.read_widths = [max(w, bucket(max(1, n))) for w, n in zip(self.read_widths, needed)]
 
     def token_axis(self, n: int, probing: bool) -> int:
@@ -323,21 +324,32 @@ class Runner:
         sizes.append(token_bucket(n))
         return sizes[-1]
 
+    def _reads_whole(self, seq: SequenceState) -> bool:
+        """After its probe, the request reads its shared affix rows in its own read set: its affix
+        starts at position 0, where the shared rows are stored rotated (acache_jax/network/kv.py),
+        so every column is read at offset 0, in column order, as under the baseline. One set is one
+        attention call a layer where two sets were two calls and a merge (the in-block steps of one
+        request: docs/BENCHMARKS.md); the static path reads such a row the same way."""
+        return seq.shares_affix and seq.row.affix_start == 0 and not self.config.drop_non_anchor
+
     def _read_sets(self, plan: Plan, n_rows: int) -> tuple[tuple[ReadSet, ...], np.ndarray]:
-        """Per segment (then empty rows): its private slots, and under acache its shared affix slots;
-        and the number of keys each segment reads."""
-        cols = [s.own_columns if s.needs_probe else s.private_columns for s in plan.segments]
+        """Per segment (then empty rows): its private slots, and under acache its shared affix slots
+        (`_reads_whole`: every slot in the first set); and the number of keys each segment reads.
+        A step in which no segment reads a second set has none (with fixed shapes it keeps an empty
+        one: the programs warmed up have two)."""
+        whole = [self._reads_whole(s) and not s.needs_probe for s in plan.segments]
         maps = [s.read_slot_map for s in plan.segments]
-        private = [m[c] for m, c in zip(maps, cols)]
-        sets = [(private, np.zeros(n_rows, np.int32))]
+        sets = [([m if w else m[s.own_columns if s.needs_probe else s.private_columns]
+                  for s, m, w in zip(plan.segments, maps, whole)], np.zeros(n_rows, np.int32))]
         if self.config.selective:
-            shared = [m[s.row.affix_columns] if s.needs_probe else m[s.shared_columns]
-                      for s, m in zip(plan.segments, maps)]
+            shared = [m[s.row.affix_columns] if s.needs_probe else m[:0] if w else m[s.shared_columns]
+                      for s, m, w in zip(plan.segments, maps, whole)]
             if self.config.drop_non_anchor:  # DropNA: the probe still reads the whole affix
                 shared = [v if s.needs_probe else v[:0] for s, v in zip(plan.segments, shared)]
             offsets = np.zeros(n_rows, np.int32)
             offsets[:len(plan.segments)] = [s.row.affix_start for s in plan.segments]
-            sets.append((shared, offsets))
+            if self.fixed_shapes or any(len(v) for v in shared):
+                sets.append((shared, offsets))
         keys = sum(np.asarray([len(x) for x in v]) for v, _ in sets)
         assert all(len(x) <= w for w, (v, _) in zip(self.read_widths, sets) for x in v), "a request was not reserved"
         return tuple(ReadSet(_rows(v, w, n_rows, 0), np.asarray([len(x) for x in v] + [0] * (n_rows - len(v)), np.int32),

@@ -7,7 +7,9 @@ set is a list of pool rows read at one rotation offset: rows stored rotated at p
 are read by rotating the query by -o as well (RoPE scores depend only on position differences),
 so an affix computed alone at positions 0..L-1 serves any placement without rotating a key.
 A segment reads at most two sets: its own rows (offset 0) and a shared affix (offset = the
-affix's first position in the segment).
+affix's first position in the segment). An affix at position 0 is read at offset 0 as well, so
+once its anchors are chosen such a segment reads its shared rows in its own set: one set, one
+attention call a layer.
 """
 
 from __future__ import annotations
