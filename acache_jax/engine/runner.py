@@ -308,16 +308,17 @@ class Runner:
         needed = (own, seq.affix_len if seq.shares_affix else 0)
         self.read_widths = [max(w, bucket(max(1, n))) for w, n in zip(self.read_widths, needed)]
 
-    def token_axis(self, n: int, probing: bool) -> int:
+    def token_axis(self, n: int, probing: bool, sets: int = 2) -> int:
         """The packed axis for a step of n tokens (with fixed shapes: its FIXED_AXIS bucket): the
-        shortest one this runner has already run (with these read widths and the same probe use)
-        that is at most REUSE_PADDING x n long, else `token_bucket(n)`. Under traffic the token
-        count changes every iteration; a program per bucket would compile for seconds (a minute at
-        8B) whenever a new count appears, while padding costs only the padded tokens' projections
-        and MLP. Deterministic: the same sequence of plans picks the same axes."""
+        shortest one this runner has already run (with these read widths, its first `sets` read
+        sets, and the same probe use: one program) that is at most REUSE_PADDING x n long, else
+        `token_bucket(n)`. Under traffic the token count changes every iteration; a program per
+        bucket would compile for seconds (a minute at 8B) whenever a new count appears, while
+        padding costs only the padded tokens' projections and MLP. Deterministic: the same sequence
+        of plans picks the same axes."""
         if self.fixed_shapes:
             return token_bucket(n, **FIXED_AXIS)
-        sizes = self._token_axes.setdefault((*self.read_widths, probing), [])
+        sizes = self._token_axes.setdefault((*self.read_widths[:sets], probing), [])
         fit = [m for m in sizes if n <= m <= REUSE_PADDING * n]
         if fit:
             return min(fit)
@@ -367,7 +368,7 @@ class Runner:
         starts = np.cumsum(lengths) - lengths
         m_real = int(lengths.sum())
         probing = bool(plan.probe) if probing is None else probing
-        m = axis or self.token_axis(m_real, probing)
+        m = axis or self.token_axis(m_real, probing, len(reads))
         tokens = np.full(m, self.model.config.pad_token_id, np.int32)
         positions = np.zeros(m, np.int32)
         write = np.full(m, self.pool.num_slots, np.int32)
