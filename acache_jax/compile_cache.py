@@ -64,7 +64,7 @@ ENV_VAR = "ACACHE_JAX_COMPILE_CACHE"
 OFF = "off"
 SUBDIR = Path("acache-jax") / "jax-compile"
 # Programs that compile for less than this are not written. Measured on a CPU with the shipped
-# models: model programs (decode, forward, select_anchors, the engine's packed step and block
+# models: model programs (decode, forward, rank_anchors, the engine's packed step and block
 # loop) take 0.8-5 s, the load-time finiteness check about 0.15-0.3 s, and the dozens of small
 # helper programs (stage, convert_element_type, iota, ...) 0.005-0.05 s, about what reading an
 # entry back costs, so caching them would fill the directory for nothing. jax's own default (1 s)

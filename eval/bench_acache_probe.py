@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from acache_jax import compile_cache
-from acache_jax.decoding.acache import build_affix_cache, select_anchors_jit
+from acache_jax.decoding.acache import build_affix_cache, select_anchors
 from acache_jax.decoding.layout import Request, make_batch
 from eval.bench_decode import llada_8b, median_seconds, random_model
 
@@ -54,7 +54,7 @@ def main() -> None:
         seconds = {}
         for selector in args.selectors.split(","):
             seconds[selector] = sec = median_seconds(functools.partial(
-                select_anchors_jit, *model.flat, batch, affix, k, selector, args.backend,
+                select_anchors, *model.flat, batch, affix, k, selector, args.backend,
                 args.block_length))
             ratio = f"{sec / seconds['attention']:.2f}" if "attention" in seconds else "-"
             print(f"| {selector} | {b} | {1e3 * sec:.1f} | {1e3 * sec / b:.1f} | {ratio} |", flush=True)

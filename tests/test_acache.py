@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import acache_jax
-from acache_jax.decoding.acache import build_affix_cache, probe_importance
+from acache_jax.decoding.acache import build_affix_cache, probe_importance, rank_anchors_jit, select_anchors
 from acache_jax.decoding.decode import decode_batch, generate
 from acache_jax.decoding.layout import Request, make_batch
 from acache_jax.network.config import DecodeConfig, InputError
@@ -172,6 +172,25 @@ def test_attention_selector_matches_a_plain_oracle(model, cache):
         assert result.anchors[i].tolist() == sorted(np.argsort(-oracle, kind="stable")[:k].tolist())
         assert oracle.sum() > 0
 
+
+def test_a_sweep_over_budgets_and_masses_ranks_with_one_program(model, cache):
+    """The selection's forward does not depend on how many anchors a row keeps: budgets and anchor
+    masses of one shape share the ranking's program (only the small cut compiles per budget), and
+    each budget keeps the first of the plain oracle's order."""
+    batch = make_batch(REQUESTS, BASE["gen_length"], model.config, AFFIX)
+    oracle = [np.argsort(-_oracle_importance(model, r), kind="stable") for r in REQUESTS]
+    select = lambda k, mass=None: np.asarray(select_anchors(*model.flat, batch, cache, k, "attention", mass=mass))
+    select(3)
+    select(3, mass=0.5)  # with a mass: one more program (its covering count), then none
+    compiled = rank_anchors_jit._cache_size()
+    for k, mass in ((5, None), (9, None), (5, 0.3), (9, 0.9)):
+        anchors = select(k, mass)
+        assert anchors.shape == (len(REQUESTS), k)
+        for row, order in zip(anchors, oracle):
+            kept = row[row < len(AFFIX)]
+            assert kept.tolist() == sorted(order[:len(kept)].tolist()) and 0 < len(kept) <= k
+            assert mass is not None or len(kept) == k
+    assert rank_anchors_jit._cache_size() == compiled
 
 def test_an_adaptive_budget_keeps_the_anchors_covering_the_mass(model, cache):
     """Under an anchor mass each row keeps the fewest of its best-probed affix tokens that hold that

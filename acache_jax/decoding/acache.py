@@ -150,12 +150,12 @@ PROBE_SIGN = {"attention": 1.0, "bottom": -1.0}
 DEVIATION_SELECTORS = ("hkvd", "hkvd_block")
 
 
-def select_anchors(structure: Structure, params: list[jax.Array], batch: Batch, affix: AffixCache,
-                   k: int, selector: Selector, attn_backend: str | None = None, block_length: int = 0,
-                   mass: float | None = None, k_min: int = 0) -> jax.Array:
-    """[B, k] sorted affix-relative anchor indices per row. Under an anchor `mass` a row keeps its
-    covering count, clipped to [k_min, k], and the rest of its entries are L (no anchor: sorted last,
-    outside the affix).
+def rank_anchors(structure: Structure, params: list[jax.Array], batch: Batch, affix: AffixCache,
+                 selector: Selector, attn_backend: str | None = None, block_length: int = 0,
+                 mass: float | jax.Array | None = None) -> Ranking:
+    """Per row, the affix ranked by `selector` (best first) and, under an anchor `mass`, how many
+    of the best hold it: the costly part of the selection (the probe or hkvd forward), which does
+    not depend on how many anchors a row then keeps.
 
     hkvd_block: hkvd over each request's text and first block only (`block_length` masks, not the
     whole generation): the signal hkvd finds comes from there (docs/RESULTS.md), at the cost of
@@ -173,9 +173,28 @@ def select_anchors(structure: Structure, params: list[jax.Array], batch: Batch, 
             jax.vmap(jax.random.key)(batch.seeds))
     else:
         raise RequestError(f"unknown anchor selector {selector!r}; choose one of {SELECTORS}")
-    ranking = anchor_ranking(score, mass=mass)
+    return anchor_ranking(score, mass=mass)
+
+
+# The mass is traced (a sweep over masses or budgets compiles the forward once); None is not.
+rank_anchors_jit = jax.jit(rank_anchors, static_argnums=(0, 4, 5, 6))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def first_anchors(ranking: Ranking, k: int, k_min: int | jax.Array = 0) -> jax.Array:
+    """[B, k] sorted affix-relative anchor indices per row: the first `ranking.kept(k_min, k)` of
+    its order; the rest of its entries are L (no anchor: sorted last, outside the affix)."""
     kept = ranking.kept(k_min, k)  # k without a mass
-    return jnp.sort(jnp.where(jnp.arange(k)[None] < kept[:, None], ranking.order[:, :k], affix.length), axis=1)
+    n = ranking.order.shape[1]
+    return jnp.sort(jnp.where(jnp.arange(k)[None] < kept[:, None], ranking.order[:, :k], n), axis=1)
 
 
-select_anchors_jit = jax.jit(select_anchors, static_argnums=(0, 4, 5, 6, 7, 8, 9))
+def select_anchors(structure: Structure, params: list[jax.Array], batch: Batch, affix: AffixCache,
+                   k: int, selector: Selector, attn_backend: str | None = None, block_length: int = 0,
+                   mass: float | None = None, k_min: int = 0) -> jax.Array:
+    """[B, k] sorted affix-relative anchor indices per row (`rank_anchors`, then `first_anchors`).
+    Under an anchor `mass` a row keeps its covering count, clipped to [k_min, k], and the rest of
+    its entries are L. Two programs: the ranking's, compiled once whatever k, k_min and the mass's
+    value, and a small one per k."""
+    ranking = rank_anchors_jit(structure, params, batch, affix, selector, attn_backend, block_length, mass)
+    return first_anchors(ranking, k, k_min)

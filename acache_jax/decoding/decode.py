@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from acache_jax.decoding.acache import build_affix_cache, check_affix_cache, select_anchors_jit
+from acache_jax.decoding.acache import build_affix_cache, check_affix_cache, select_anchors
 from acache_jax.decoding.layout import Batch, Request, as_requests, check_requests, make_batch
 from acache_jax.decoding.sampling import Commits, SamplerConfig
 from acache_jax.network.config import DecodeConfig, DecodeError, resolve_decode_config
@@ -270,9 +270,9 @@ def generate(
                            model.mesh)
         with use_mesh(model.mesh):
             if config.selective:
-                anchors = (select_anchors_jit(*model.flat, batch, cache, n_anchors,
-                                              config.selector, config.attn_backend, config.block_length,
-                                              config.anchor_mass, config.min_anchors(cache.length))
+                anchors = (select_anchors(*model.flat, batch, cache, n_anchors,
+                                          config.selector, config.attn_backend, config.block_length,
+                                          config.anchor_mass, config.min_anchors(cache.length))
                            if n_anchors > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
                 result = decode_batch(*model.flat, batch, _loop_key(config), cache, anchors)
             else:
