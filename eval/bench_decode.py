@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 
 from acache_jax import compile_cache
 from acache_jax.decoding.acache import build_affix_cache, select_anchors
-from acache_jax.decoding.decode import decode_batch
+from acache_jax.decoding.decode import anchor_axis, decode_batch
 from acache_jax.decoding.layout import Request, make_batch
 from acache_jax.network.attention import cudnn_attention, dense_attention
 from acache_jax.network.config import DecodeConfig, ModelConfig
@@ -178,7 +178,8 @@ def lower_jobs(model: Model, label: str, args: argparse.Namespace, batches: list
                 extra = ()
                 if dcfg.selective:
                     k = dcfg.anchors(args.affix)
-                    anchors = (select_anchors(structure, leaves, batch, affix, k, "attention", args.backend) if k else
+                    anchors = (select_anchors(structure, leaves, batch, affix, k, "attention", args.backend,
+                                              width=anchor_axis(k, args.affix)) if k else
                                jnp.zeros((b, 0), jnp.int32))
                     extra = (affix, anchors)
                 lowered = decode_batch.lower(structure, leaves, batch, dcfg, *extra)

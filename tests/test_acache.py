@@ -11,7 +11,7 @@ from flax import nnx
 
 import acache_jax
 from acache_jax.decoding.acache import build_affix_cache, probe_importance, rank_anchors_jit, select_anchors
-from acache_jax.decoding.decode import decode_batch, generate
+from acache_jax.decoding.decode import anchor_axis, decode_batch, generate
 from acache_jax.decoding.layout import Request, make_batch
 from acache_jax.network.config import DecodeConfig, InputError
 from acache_jax.network.model import ForwardInputs
@@ -191,6 +191,31 @@ def test_a_sweep_over_budgets_and_masses_ranks_with_one_program(model, cache):
             assert kept.tolist() == sorted(order[:len(kept)].tolist()) and 0 < len(kept) <= k
             assert mass is not None or len(kept) == k
     assert rank_anchors_jit._cache_size() == compiled
+
+def test_budgets_a_few_anchors_apart_share_the_decode_loop(model, cache):
+    """The static loop's anchor axis is K rounded up to ANCHOR_AXIS_STEP: K = 5 and K = 7 run one
+    compiled loop, and each decodes exactly as a loop whose axis is K itself (tokens, NFE, forward
+    tokens): the padded entries are no anchor."""
+    config = DecodeConfig(cache="acache", **BASE)
+    runs = {}
+    for k in (5, 7):
+        runs[k] = generate(model, REQUESTS, config.replace(anchor_ratio=k / len(AFFIX)), affix=cache)
+        if k == 5:
+            compiled = decode_batch._cache_size()
+    assert decode_batch._cache_size() == compiled and anchor_axis(5, len(AFFIX)) == anchor_axis(7, len(AFFIX)) == 8
+    batch = make_batch(REQUESTS, BASE["gen_length"], model.config, AFFIX)
+    for k, result in runs.items():
+        cfg = config.replace(anchor_ratio=k / len(AFFIX))
+        exact = select_anchors(*model.flat, batch, cache, k, "attention")
+        assert exact.shape == (len(REQUESTS), k)
+        tokens, stats = decode_batch(*model.flat, batch, cfg, cache, exact)
+        g0 = batch.gen_start
+        for i in range(len(REQUESTS)):
+            assert result.anchors[i].tolist() == np.asarray(exact[i]).tolist()
+            assert result.tokens[i].tolist() == np.asarray(tokens[i, g0:g0 + BASE["gen_length"]]).tolist()
+            assert result.nfe[i] == int(stats.nfe[i]) + 1  # + the probe
+            probed = int((batch.valid & ~batch.affix_columns())[i].sum())
+            assert result.forward_tokens[i] == int(stats.forward_tokens[i]) + probed
 
 def test_an_adaptive_budget_keeps_the_anchors_covering_the_mass(model, cache):
     """Under an anchor mass each row keeps the fewest of its best-probed affix tokens that hold that

@@ -181,20 +181,21 @@ rank_anchors_jit = jax.jit(rank_anchors, static_argnums=(0, 4, 5, 6))
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def first_anchors(ranking: Ranking, k: int, k_min: int | jax.Array = 0) -> jax.Array:
-    """[B, k] sorted affix-relative anchor indices per row: the first `ranking.kept(k_min, k)` of
-    its order; the rest of its entries are L (no anchor: sorted last, outside the affix)."""
+def first_anchors(ranking: Ranking, width: int, k: int | jax.Array, k_min: int | jax.Array = 0) -> jax.Array:
+    """[B, width] sorted affix-relative anchor indices per row: the first `ranking.kept(k_min, k)`
+    of its order (k <= width); the rest of its entries are L (no anchor: sorted last, outside the
+    affix). Keyed by the width alone: budgets of one width share the program."""
     kept = ranking.kept(k_min, k)  # k without a mass
     n = ranking.order.shape[1]
-    return jnp.sort(jnp.where(jnp.arange(k)[None] < kept[:, None], ranking.order[:, :k], n), axis=1)
+    return jnp.sort(jnp.where(jnp.arange(width)[None] < kept[:, None], ranking.order[:, :width], n), axis=1)
 
 
 def select_anchors(structure: Structure, params: list[jax.Array], batch: Batch, affix: AffixCache,
                    k: int, selector: Selector, attn_backend: str | None = None, block_length: int = 0,
-                   mass: float | None = None, k_min: int = 0) -> jax.Array:
-    """[B, k] sorted affix-relative anchor indices per row (`rank_anchors`, then `first_anchors`).
-    Under an anchor `mass` a row keeps its covering count, clipped to [k_min, k], and the rest of
-    its entries are L. Two programs: the ranking's, compiled once whatever k, k_min and the mass's
-    value, and a small one per k."""
+                   mass: float | None = None, k_min: int = 0, width: int | None = None) -> jax.Array:
+    """[B, width] (default [B, k]) sorted affix-relative anchor indices per row (`rank_anchors`,
+    then `first_anchors`). Under an anchor `mass` a row keeps its covering count, clipped to
+    [k_min, k], and the rest of its entries are L. Two programs: the ranking's, compiled once
+    whatever k, k_min and the mass's value, and a small one per width."""
     ranking = rank_anchors_jit(structure, params, batch, affix, selector, attn_backend, block_length, mass)
-    return first_anchors(ranking, k, k_min)
+    return first_anchors(ranking, k if width is None else width, k, k_min)

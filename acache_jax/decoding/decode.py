@@ -204,6 +204,18 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
 
 decode_batch = jax.jit(_decode, static_argnums=(0, 3))
 
+# The static loop's anchor axis is K rounded up to a multiple of this (at most the affix length L):
+# the loop compiles once per axis width, and a row's entries past its K are L (no anchor), which
+# `_decode` already takes (an adaptive budget's rows): those columns join its block-start forwards
+# as private columns that nothing reads, so budgets a few anchors apart (a sweep over ratios)
+# share one program, at the cost of at most 7 more tokens a row at each block start.
+ANCHOR_AXIS_STEP = 8
+
+
+def anchor_axis(n_anchors: int, affix_len: int) -> int:
+    """The static loop's anchor axis for K = n_anchors of an affix of affix_len tokens."""
+    return min(-(-n_anchors // ANCHOR_AXIS_STEP) * ANCHOR_AXIS_STEP, affix_len)
+
 
 def _loop_key(config: DecodeConfig) -> DecodeConfig:
     """`config` as the decode loop's static argument: anchors are selected before the loop and
@@ -272,7 +284,8 @@ def generate(
             if config.selective:
                 anchors = (select_anchors(*model.flat, batch, cache, n_anchors,
                                           config.selector, config.attn_backend, config.block_length,
-                                          config.anchor_mass, config.min_anchors(cache.length))
+                                          config.anchor_mass, config.min_anchors(cache.length),
+                                          anchor_axis(n_anchors, cache.length))
                            if n_anchors > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
                 result = decode_batch(*model.flat, batch, _loop_key(config), cache, anchors)
             else:
