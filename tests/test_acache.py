@@ -192,16 +192,16 @@ def test_a_sweep_over_budgets_and_masses_ranks_with_one_program(model, cache):
             assert mass is not None or len(kept) == k
     assert rank_anchors_jit._cache_size() == compiled
 
+
 def test_budgets_a_few_anchors_apart_share_the_decode_loop(model, cache):
     """The static loop's anchor axis is K rounded up to ANCHOR_AXIS_STEP: K = 5 and K = 7 run one
     compiled loop, and each decodes exactly as a loop whose axis is K itself (tokens, NFE, forward
     tokens): the padded entries are no anchor."""
     config = DecodeConfig(cache="acache", **BASE)
-    runs = {}
-    for k in (5, 7):
-        runs[k] = generate(model, REQUESTS, config.replace(anchor_ratio=k / len(AFFIX)), affix=cache)
-        if k == 5:
-            compiled = decode_batch._cache_size()
+    run = lambda k: generate(model, REQUESTS, config.replace(anchor_ratio=k / len(AFFIX)), affix=cache)
+    runs = {5: run(5)}
+    compiled = decode_batch._cache_size()
+    runs[7] = run(7)
     assert decode_batch._cache_size() == compiled and anchor_axis(5, len(AFFIX)) == anchor_axis(7, len(AFFIX)) == 8
     batch = make_batch(REQUESTS, BASE["gen_length"], model.config, AFFIX)
     for k, result in runs.items():
@@ -216,6 +216,7 @@ def test_budgets_a_few_anchors_apart_share_the_decode_loop(model, cache):
             assert result.nfe[i] == int(stats.nfe[i]) + 1  # + the probe
             probed = int((batch.valid & ~batch.affix_columns())[i].sum())
             assert result.forward_tokens[i] == int(stats.forward_tokens[i]) + probed
+
 
 def test_an_adaptive_budget_keeps_the_anchors_covering_the_mass(model, cache):
     """Under an anchor mass each row keeps the fewest of its best-probed affix tokens that hold that
