@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 
 from acache_jax import compile_cache
+from acache_jax.decoding.layout import round_up
 from acache_jax.network.config import DecodeConfig, ModelConfig
 from acache_jax.network.files import write_atomic
 from acache_jax.network.hf_checkpoint import export_hf
@@ -63,7 +64,7 @@ MAX_SEQ_LEN = 512
 
 def model_config(family: str, vocab_size: int, ids: dict[str, int], tiny: bool = False) -> ModelConfig:
     size = (TINY if tiny else SIZES)[family]
-    cfg = ModelConfig(family=family, vocab_size=-(-vocab_size // 64) * 64, head_dim=64, max_seq_len=MAX_SEQ_LEN,
+    cfg = ModelConfig(family=family, vocab_size=round_up(vocab_size, 64), head_dim=64, max_seq_len=MAX_SEQ_LEN,
                       **size, **FAMILY[family], **ids)
     cfg.validate()
     return cfg

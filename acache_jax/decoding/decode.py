@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax.decoding.acache import build_affix_cache, check_affix_cache, select_anchors
-from acache_jax.decoding.layout import Batch, Request, as_requests, check_requests, make_batch
+from acache_jax.decoding.layout import Batch, Request, as_requests, check_requests, make_batch, round_up
 from acache_jax.decoding.sampling import Commits, SamplerConfig
 from acache_jax.network.config import DecodeConfig, DecodeError, resolve_decode_config
-from acache_jax.network.kv import AffixCache, KVPool, flat_index, read_set, rows_access
+from acache_jax.network.kv import AffixCache, KVPool, flat_index, read_set, reads_affix_in_own_set, rows_access
 from acache_jax.network.model import ForwardInputs, Model, Structure
 from acache_jax.network.sharding import constrain_kv, place_rows, use_mesh
 
@@ -120,11 +120,10 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
         if cfg.drop_non_anchor:
             reads = (read_set(own_slot + jnp.arange(n_private)[None], private_valid, zero),)
         else:
-            # A row whose affix starts at position 0 reads the shared rows at its own offset: one
-            # set of every column, in column order, as the engine reads such a request
-            # (`Runner._reads_whole`); other rows read the shared rows as a second set.
+            # A row whose affix starts at position 0 reads every column in one set, in column
+            # order; other rows read the shared rows as a second set (`reads_affix_in_own_set`).
             offset = take(batch.positions, batch.affix_start[:, None])[:, 0]
-            whole = (offset == 0)[:, None]
+            whole = reads_affix_in_own_set(offset)[:, None]
             slot = jnp.where(shared, col - batch.affix_start[:, None], own_slot + compact)
             anchor_local = jnp.zeros((b, L), bool).at[row_ids, anchors].set(True)
             reads = (read_set(slot, batch.valid & (~shared | whole), zero),
@@ -214,7 +213,7 @@ ANCHOR_AXIS_STEP = 8
 
 def anchor_axis(n_anchors: int, affix_len: int) -> int:
     """The static loop's anchor axis for K = n_anchors of an affix of affix_len tokens."""
-    return min(-(-n_anchors // ANCHOR_AXIS_STEP) * ANCHOR_AXIS_STEP, affix_len)
+    return min(round_up(n_anchors, ANCHOR_AXIS_STEP), affix_len)
 
 
 def _loop_key(config: DecodeConfig) -> DecodeConfig:

@@ -213,6 +213,11 @@ class Batch:
                                    affix_start=jnp.where(after_gen, self.affix_start - (cut - end), self.affix_start))
 
 
+def round_up(n: int, step: int) -> int:
+    """n rounded up to a multiple of step (the sizes below, and the axes and widths built on them)."""
+    return -(-n // step) * step
+
+
 def bucket(n: int, minimum: int = 16) -> int:
     """Padded size for n: powers of two up to 512, then multiples of 256 (few programs, little waste)."""
     if n <= 0:
@@ -220,7 +225,7 @@ def bucket(n: int, minimum: int = 16) -> int:
     size = minimum
     while size < n and size < 512:
         size *= 2
-    return size if size >= n else -(-n // 256) * 256
+    return size if size >= n else round_up(n, 256)
 
 
 def batch_bucket(n: int) -> int:
@@ -234,12 +239,12 @@ def token_bucket(n: int, floor: int = 16, ceiling: int | None = 128, per_octave:
     tokens, a size per `ceiling` tokens beyond (none: per_octave sizes per octave throughout)."""
     step = max(floor, 1 << max(0, n.bit_length() - per_octave.bit_length()))
     step = step if ceiling is None else min(ceiling, step)
-    return -(-max(n, 1) // step) * step
+    return round_up(max(n, 1), step)
 
 
 def row_bucket(n: int) -> int:
     """Rows for n requests: powers of two up to 4, then multiples of 4."""
-    return batch_bucket(n) if n <= 4 else -(-n // 4) * 4
+    return batch_bucket(n) if n <= 4 else round_up(n, 4)
 
 
 def check_request(r: Request, gen_length: int, mcfg: ModelConfig, affix: list[int] | None) -> None:

@@ -32,14 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from acache_jax.decoding.acache import DEVIATION_SELECTORS, PROBE_SIGN, Ranking, affix_deviation, anchor_ranking
-from acache_jax.decoding.layout import bucket, row_bucket, token_bucket
+from acache_jax.decoding.layout import bucket, round_up, row_bucket, token_bucket
 from acache_jax.decoding.sampling import Commits, SamplerConfig
 from acache_jax.engine.scheduler import Plan, StepOutput, Work
 from acache_jax.engine.sequence import SequenceState
 from acache_jax.network.attention import resolve_backend
 from acache_jax.network.config import DecodeConfig
 from acache_jax.network.kv import (AffixCache, KVPool, PoolAccess, ReadSet, distinct_past_end, flat_index,
-                                   rotated_from_zero, rows_access)
+                                   reads_affix_in_own_set, rotated_from_zero, rows_access)
 from acache_jax.network.model import ForwardInputs, Structure
 
 TILE_ROWS = 128  # the kernel's query rows per attention tile (tokens x the query heads of one kv head)
@@ -272,7 +272,7 @@ class Runner:
         # cost the jnp attention (which computes every key of a set, padding included) up to twice
         # the keys: 512 for a context of 266 (docs/BENCHMARKS.md, realistic traffic). The kernel
         # pads to its own key tile.
-        width = -(-context // FIXED_WIDTH_STEP) * FIXED_WIDTH_STEP
+        width = round_up(context, FIXED_WIDTH_STEP)
         # per read set (private, shared): wide enough for every request queued so far
         self.read_widths = [width, width if config.selective else 0] if fixed_shapes else [0, 0]
         self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
@@ -326,12 +326,9 @@ class Runner:
         return sizes[-1]
 
     def _reads_whole(self, seq: SequenceState) -> bool:
-        """After its probe, the request reads its shared affix rows in its own read set: its affix
-        starts at position 0, where the shared rows are stored rotated (acache_jax/network/kv.py),
-        so every column is read at offset 0, in column order, as under the baseline. One set is one
-        attention call a layer where two sets were two calls and a merge (the in-block steps of one
-        request: docs/BENCHMARKS.md); the static path reads such a row the same way."""
-        return seq.shares_affix and seq.row.affix_start == 0 and not self.config.drop_non_anchor
+        """After its probe, the request reads its shared affix rows in its own read set
+        (`kv.reads_affix_in_own_set`; a row's columns are its positions). DropNA reads no shared row."""
+        return seq.shares_affix and reads_affix_in_own_set(seq.row.affix_start) and not self.config.drop_non_anchor
 
     def _read_sets(self, plan: Plan, n_rows: int) -> tuple[tuple[ReadSet, ...], np.ndarray]:
         """Per segment (then empty rows): its private slots, and under acache its shared affix slots

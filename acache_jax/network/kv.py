@@ -122,6 +122,17 @@ def rotated_from_zero(k: tuple[jax.Array, ...], rope_theta: float) -> tuple[jax.
     return tuple(rope(a[None], positions, rope_theta)[0] for a in k)
 
 
+def reads_affix_in_own_set(affix_offset: Any) -> Any:
+    """Whether a row whose affix starts at position `affix_offset` (an int, or an array of them)
+    reads its shared affix rows in its own read set. Those rows hold K rotated at 0..L-1
+    (`rotated_from_zero`): for an affix at position 0 these are the row's own positions, so the
+    row reads every column at offset 0 in column order, as the baseline reads its own rows (one
+    attention call a layer, where a second set is a second call and a merge: docs/BENCHMARKS.md).
+    Any other row reads them as a second set at its offset. The engine (`Runner`) and the static
+    path (`decode._decode`) both lay rows out by this rule, so they compute the same tokens."""
+    return affix_offset == 0
+
+
 def read_set(slots: jax.Array, valid: jax.Array, offset: jax.Array) -> ReadSet:
     """A ReadSet from each segment's candidate rows [S, N] in order and which of them it reads
     [S, N]: the read ones moved to the front, their order kept."""

@@ -22,7 +22,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from acache_jax.decoding.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_request
+from acache_jax.decoding.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_request, round_up
 from acache_jax.engine.engine import check_engine_config
 from acache_jax.network.config import FIELD_KINDS, DecodeConfig, InputError
 from acache_jax.network.model import Model, check_text
@@ -296,7 +296,7 @@ def parse(body: Any, model: Model, base: DecodeConfig, served_name: str, chat: b
         named = [k for k in knobs if k in message or k.replace("_", " ") in message]
         raise ApiError(400, message, (named or list(knobs) or [None])[0]) from None
     block = config.block_length
-    gen_length = -(-(max_tokens or base.gen_length) // block) * block
+    gen_length = round_up(max_tokens or base.gen_length, block)
     room, too_long = _room(model, block, gen_length, max_tokens or base.gen_length, limit, max_model_len,
                            max_prompt_tokens)
     affix_text = _get(body, "affix", "str")
