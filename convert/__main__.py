@@ -49,12 +49,17 @@ def main(argv=None) -> int:
             if existed:
                 out.mkdir()
             raise KeyboardInterrupt
-    except (InputError, FileExistsError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"interrupted: nothing was written to {args.dst}", file=sys.stderr)
-        return 130
+    except BaseException as e:
+        # What unwinds after a signal is the interrupt, whatever its type: a KeyboardInterrupt
+        # raised inside Python code that C code called (numpy hashing a jax dtype) reaches here as
+        # the SystemError that C code raises. `save` removed its partial write either way.
+        if _received or isinstance(e, KeyboardInterrupt):
+            print(f"interrupted: nothing was written to {args.dst}", file=sys.stderr)
+            return 130
+        if isinstance(e, (InputError, FileExistsError, OSError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise
     print(f"wrote {out}")
     return 0
 

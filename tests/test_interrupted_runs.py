@@ -123,6 +123,54 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_cli():
         signal.signal(signal.SIGINT, outer)
 
 
+def _interrupt_inside_c_code(signum: int):
+    """A stand-in for a step during which the signal's handler runs in Python code that C code
+    called: C code raises SystemError over the KeyboardInterrupt (seen once in CI: numpy hashing a
+    jax dtype while a conversion was stopped, which then ended with a traceback and status 1)."""
+    def step(*args, **kwargs):
+        try:
+            signal.getsignal(signum)(signum, None)
+        except KeyboardInterrupt as e:
+            raise SystemError("<function _ScalarMeta.__hash__> returned a result with an exception set") from e
+    return step
+
+
+def test_an_interrupt_that_c_code_wraps_still_ends_the_cli_as_interrupted(tmp_path, fixtures_dir, monkeypatch,
+                                                                          capsys):
+    """convert (TERM) and generate (Ctrl-C): exit status 130 and the one line, not a traceback; the
+    same SystemError with no signal behind it is still raised."""
+    import convert.__main__ as convert_cli
+    from acache_jax import generate as generate_cli
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # convert's main installs its own
+    dst = tmp_path / "out"
+    try:
+        monkeypatch.setattr(convert_cli, "convert", _interrupt_inside_c_code(signal.SIGTERM))
+        assert convert_cli.main([str(tmp_path), str(dst)]) == 130
+        assert capsys.readouterr().err == f"interrupted: nothing was written to {dst}\n"
+        monkeypatch.setattr(convert_cli, "convert", lambda *args: _raise(SystemError("a bug")))
+        with pytest.raises(SystemError, match="a bug"):
+            convert_cli.main([str(tmp_path), str(dst)])
+
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (xdist workers ignore it)
+        argv = ["--model", str(fixtures_dir / "decode" / "llada"), "--prompt-ids", "5,17,33", "--gen-length", "16",
+                "--block-length", "8"]
+        monkeypatch.setattr(generate_cli, "_run_static", _interrupt_inside_c_code(signal.SIGINT))
+        assert generate_cli.main(argv) == 130
+        assert capsys.readouterr().err == "interrupted: 0 of 1 requests done (printed above)\n"
+        monkeypatch.setattr(generate_cli, "_run_static", lambda *args: _raise(SystemError("a bug")))
+        with pytest.raises(SystemError, match="a bug"):
+            generate_cli.main(argv)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _raise(error: BaseException):
+    raise error
+
+
 def test_interrupted_generate_keeps_what_it_finished(tmp_path, fixtures_dir):
     """Ctrl-C on a long --input run: every finished answer is already on stdout, in input order, and
     one line says how many."""
