@@ -467,23 +467,16 @@ def main(argv: list[str] | None = None) -> int:
         for line in str(e).splitlines():  # one line per problem (every bad --input line)
             print(f"error: {line}", file=sys.stderr)
         return 2
-    except Exception:
-        # A Ctrl-C whose KeyboardInterrupt was raised inside Python code that C code called (numpy
-        # hashing a jax dtype) arrives as the SystemError that C code raises: after a Ctrl-C, what
-        # unwinds is the interrupt.
-        if out is None or not out.interrupts:
+    except BaseException as e:
+        # After a Ctrl-C, what unwinds is the interrupt, whatever its type: a KeyboardInterrupt
+        # raised inside Python code that C code called (numpy hashing a jax dtype) arrives as the
+        # SystemError that C code raises.
+        if not (isinstance(e, KeyboardInterrupt) or (out is not None and out.interrupts)):
             raise
-        return _interrupted(out, len(jobs))
-    except KeyboardInterrupt:
-        return _interrupted(out, len(jobs) if out else None)
+        done = 0 if out is None else out.done
+        print(f"interrupted: {done} of {len(jobs) if out else '?'} requests done (printed above)", file=sys.stderr)
+        return 130
     return 0
-
-
-def _interrupted(out: _Output | None, total: int | None) -> int:
-    """One line on stderr: how many of the requests were done (their answers are printed); exit status 130."""
-    done = 0 if out is None else out.done
-    print(f"interrupted: {done} of {'?' if total is None else total} requests done (printed above)", file=sys.stderr)
-    return 130
 
 
 if __name__ == "__main__":
