@@ -57,17 +57,22 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-# The longest files, longest first (wall seconds in a full run on the 2-core CI machine with three
-# workers, 2026-12-06: 299, 249, 184, 134, 128, 126, 111, 110, 110, 92, 88, 74, 71, 69, 64, 57, 53
-# of 2,413 worker-seconds). With --dist loadfile the workers take whole files in the order of the
-# work queue, so a long file handed out last (the soak tests, the one bf16 test) runs alone while
-# the others idle; handing out the long ones first balances the workers. xdist would otherwise
-# order the queue by tests per file (`--loadscope-reorder`, its default), which put the 1-test
-# bf16 file and the 3-test soak file last: pyproject.toml passes --no-loadscope-reorder.
-LONG_FILES = ("test_engine.py", "test_soak.py", "test_acache.py", "test_readme.py", "test_engine_bf16.py",
+# The files, longest first, down to 15 s (wall seconds in a full run on the 2-core CI machine with
+# three workers, 2026-12-06: 273, 190, 164, 162, 142, 129, 109, 101, 77, 73, 60, 52, 46, 42, 41, 37,
+# 35, 33, 30, 29, 28, 28, 26, 25, 19, 18, 17 of 2,042 worker-seconds; the rest take 0.7-13 s). With
+# --dist loadfile the workers take whole files in the order of the work queue, so a long file
+# handed out last (the soak tests, the one bf16 test) runs alone while the others idle; handing out
+# the long ones first and the short ones last balances the workers (with only the first 17 listed,
+# the three ended 31 s apart). xdist would otherwise order the queue by tests per file
+# (`--loadscope-reorder`, its default), which put the 1-test bf16 file and the 3-test soak file
+# last: pyproject.toml passes --no-loadscope-reorder.
+LONG_FILES = ("test_engine.py", "test_acache.py", "test_soak.py", "test_readme.py", "test_engine_bf16.py",
               "test_checkpoints.py", "test_sharding.py", "test_train.py", "test_serve.py", "test_lm_eval.py",
-              "test_decode.py", "test_compile_cache.py", "test_acache_parity.py", "test_real_scale.py",
-              "test_generate_cli.py", "test_serve_limits.py", "test_affix_sweep.py")
+              "test_compile_cache.py", "test_generate_cli.py", "test_real_scale.py", "test_serve_limits.py",
+              "test_acache_parity.py", "test_decode.py", "test_decode_parity.py", "test_affix_sweep.py",
+              "test_kv_view.py", "test_gathered_attention.py", "test_bad_inputs.py", "test_interrupted_runs.py",
+              "test_engine_hooks.py", "test_model_parity.py", "test_shipped_models.py", "test_convert.py",
+              "test_packaging.py")
 
 
 def pytest_collection_modifyitems(items):
