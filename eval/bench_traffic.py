@@ -16,7 +16,8 @@ shapes, and every program of a step of up to the workload's largest step compile
 measured passes, so that a pass measures the engine, not the compiler (each pass reports what it
 still compiled: 0 expected). ACache's affixes are built once beforehand, as a server's affix store
 holds them, and one request of each primes its fill. Both policies serve the same requests at the
-same arrival times.
+same arrival times. `--min-affix-reuse N` adds an ACache pass per N whose engines run as dual
+every request whose affix tokens x generation blocks fall below N (`Engine(min_affix_reuse=)`).
 Reports generated tokens/s over the whole pass and request latency (arrival to finish) p50 / p99.
 At 8B shape on an H100 the baseline saturates near 40 requests/s (docs/BENCHMARKS.md): 4 and 16
 are low load there, 160 is past saturation for both policies.
@@ -40,9 +41,6 @@ from acache_jax.decoding.layout import AFFIX_POSITIONS, Request
 from acache_jax.engine import Engine
 from acache_jax.network.checkpoint import load
 from acache_jax.network.files import check_output_path, write_atomic
-
-POLICIES = {"baseline": "dual", "acache": "acache"}
-
 
 def _placement(rng: np.random.Generator, no_affix: float) -> str:
     return "none" if rng.random() < no_affix else AFFIX_POSITIONS[int(rng.integers(3))]
@@ -191,7 +189,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-lengths", default="32,64", help="comma-separated, drawn uniformly per request")
     p.add_argument("--no-affix", type=float, default=0.25, help="the fraction of requests without an affix")
     p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--min-affix-reuse", default="",
+                   help="comma-separated: one more ACache pass per value, its requests of fewer affix tokens x "
+                        "blocks run as dual")
     return p
+
+
+def policies(min_affix_reuse: str) -> dict[str, tuple[str, int]]:
+    """The passes: name -> (cache policy, min_affix_reuse)."""
+    out = {"baseline": ("dual", 0), "acache": ("acache", 0)}
+    for value in filter(None, min_affix_reuse.split(",")):
+        out[f"acache_min_reuse_{int(value)}"] = ("acache", int(value))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,23 +227,28 @@ def main(argv: list[str] | None = None) -> int:
                     context=context)
     result = dict(model=str(args.model or args.shape), requests=args.requests, no_affix=args.no_affix,
                   gen_lengths=gens, context=context)
-    for name, cache in POLICIES.items():
+    passes = policies(args.min_affix_reuse)
+    for name, (cache, reuse) in passes.items():
         config = base.replace(cache=cache, anchor_ratio=args.ratio)
         served = with_affix_caches(model, workload) if config.selective else workload
+        engine_settings = dict(settings, min_affix_reuse=reuse)
         start = time.perf_counter()
         with counting_compiles() as compiled:
-            Engine(model, config, **settings).warm_up(args.max_batch * context)
+            Engine(model, config, **engine_settings).warm_up(args.max_batch * context)
             firsts = [served[i] for i in first_of_each_affix(workload)]
-            serve(Engine(model, config, **settings), firsts, np.zeros(len(firsts)))  # each affix's fill
-        result[name] = dict(warm_up=dict(compiled, seconds=time.perf_counter() - start), passes={})
+            serve(Engine(model, config, **engine_settings), firsts, np.zeros(len(firsts)))  # each affix's fill
+        as_dual = sum(affix is not None and len(affix) * (gen // args.block) < reuse for affix, _, gen in workload)
+        result[name] = dict(warm_up=dict(compiled, seconds=time.perf_counter() - start), min_affix_reuse=reuse,
+                            requests_as_dual=as_dual, passes={})
         for rate in rates:
             arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, size=args.requests))
             with counting_compiles() as compiled:
-                run = serve(Engine(model, config, **settings), served, arrivals)
+                run = serve(Engine(model, config, **engine_settings), served, arrivals)
             result[name]["passes"][str(rate)] = dict(run, **compiled)
             print(json.dumps({name: {"rate": rate, **run, **compiled}}), flush=True)
-    result["speedup"] = {str(rate): result["acache"]["passes"][str(rate)]["tokens_per_s"]
-                         / result["baseline"]["passes"][str(rate)]["tokens_per_s"] for rate in rates}
+    result["speedup"] = {name: {str(rate): result[name]["passes"][str(rate)]["tokens_per_s"]
+                                / result["baseline"]["passes"][str(rate)]["tokens_per_s"] for rate in rates}
+                         for name in passes if name != "baseline"}
     print(json.dumps(result))
     if args.json:
         write_atomic(args.json, json.dumps(result, indent=1))

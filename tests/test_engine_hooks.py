@@ -10,7 +10,7 @@ import pytest
 import acache_jax
 from acache_jax.decoding.layout import Request
 from acache_jax.engine import Engine
-from acache_jax.network.config import DecodeConfig
+from acache_jax.network.config import DecodeConfig, DecodeError
 
 AFFIX = list(range(30, 53))
 FIXED = dict(fixed_shapes=True)  # a server's engines: few programs for these small workloads (see test_engine)
@@ -37,6 +37,33 @@ def test_a_request_without_affix_under_acache_decodes_as_under_dual(model):
     got = {r.request_id: r.tokens.tolist() for r in acache.run()}
     assert [got[i] for i in ids[:2]] == expected
     assert _empty(acache)
+
+
+def test_requests_of_little_affix_reuse_run_as_dual_and_the_others_are_unchanged(model):
+    """min_affix_reuse: a request whose affix tokens x blocks fall below it gets the dual engine's
+    tokens (no probe, no anchors); the others get exactly what an engine without the bound gives."""
+    reqs = [Request([5, 17, 33], tail=[2, 90] if pos == "infix" else (), affix_position=pos, seed=s)
+            for s, pos in enumerate(["prefix", "infix", "suffix"])]
+    gens = [8, 16, 8]  # one block: 23 affix tokens; two blocks: 46
+    config = DecodeConfig(gen_length=16, block_length=8, cache="acache")
+
+    def run(engine):
+        ids = [engine.add(r, AFFIX, gen_length=g) for r, g in zip(reqs, gens)]
+        got = {r.request_id: r for r in engine.run()}
+        assert _empty(engine)
+        return [got[i] for i in ids]
+
+    dual = run(Engine(model, config.replace(cache="dual"), pool_tokens=200, block_size=8, **FIXED))
+    acache = run(Engine(model, config, pool_tokens=200, block_size=8, **FIXED))
+    mixed = run(Engine(model, config, pool_tokens=200, block_size=8, min_affix_reuse=40, **FIXED))
+    for i in (0, 2):
+        assert mixed[i].tokens.tolist() == dual[i].tokens.tolist()
+        assert (mixed[i].anchors.size, mixed[i].nfe, mixed[i].forward_tokens) == (0, dual[i].nfe, dual[i].forward_tokens)
+    assert mixed[1].tokens.tolist() == acache[1].tokens.tolist()
+    assert mixed[1].anchors.tolist() == acache[1].anchors.tolist() and mixed[1].anchors.size
+    assert (mixed[1].nfe, mixed[1].forward_tokens) == (acache[1].nfe, acache[1].forward_tokens)
+    with pytest.raises(DecodeError, match="min_affix_reuse"):
+        Engine(model, config, min_affix_reuse=-1)
 
 
 def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
@@ -77,7 +104,7 @@ def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
     model = acache_jax.load(DEFAULT_MODEL)
     base = model.decode_config(cache="acache")
     base = base.replace(gen_length=2 * base.block_length)  # a server default of two blocks
-    worker = Worker(model, Settings(max_batch=2, warmup_tokens=128))
+    worker = Worker(model, Settings(max_batch=2, warmup_tokens=128, min_affix_reuse=7))
     try:
         assert worker.warm_up(base).wait(300)
         job = parse({"prompt": "Story: Mary went to the office.\nQuestion: Where is Mary?\nAnswer with one location:",
@@ -92,7 +119,9 @@ def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
         compiled = {r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")}
         assert not compiled & {"jit(packed_step)", "jit(block_loop)"}, compiled
         assert list(worker.engines) == [engine_config(base)]
-        assert worker.engines[engine_config(base)].scheduler.max_step_tokens == 128  # steps stay warmed up
+        engine = worker.engines[engine_config(base)]
+        assert engine.scheduler.max_step_tokens == 128  # steps stay warmed up
+        assert engine.min_affix_reuse == 7
     finally:
         jax.config.update("jax_log_compiles", False)
         worker.stop()

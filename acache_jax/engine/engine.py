@@ -130,22 +130,31 @@ class Engine:
     `DEFAULT_STEP_TOKENS`; None: no bound), which bounds its activations: probes and block starts
     beyond it wait for a later iteration (`Scheduler.schedule`; the oldest waiting one always runs).
     Outputs do not depend on it.
+    min_affix_reuse: under `acache` with anchors, a request whose affix tokens times its
+    generation blocks fall below this runs as `dual` (exactly the baseline's tokens). Its probe is
+    a forward of its own, and a request running alone pays it in full: at one request on a GPU the
+    probe costs about what recomputing 400-600 affix tokens does, so a short affix over one block
+    saves less than it costs (docs/BENCHMARKS.md, "Twelfth run"). Default 0: every request with an
+    affix runs ACache. Outputs of the others do not change.
     """
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
                  block_size: int = 16, max_batch: int = 16, observer: Observer | None = None,
                  fixed_shapes: bool = False, context: int | None = None,
-                 max_step_tokens: int | None = DEFAULT_STEP_TOKENS):
+                 max_step_tokens: int | None = DEFAULT_STEP_TOKENS, min_affix_reuse: int = 0):
         config = resolve_decode_config(config, model.generation_config)
         for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch),
                             ("context", context), ("max_step_tokens", max_step_tokens)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise DecodeError(f"{name} must be a positive integer, got {value!r}")
+        if isinstance(min_affix_reuse, bool) or not isinstance(min_affix_reuse, int) or min_affix_reuse < 0:
+            raise DecodeError(f"min_affix_reuse must be a non-negative integer, got {min_affix_reuse!r}")
         if context is not None and context > model.config.max_seq_len:
             raise DecodeError(f"context {context} exceeds the model's context of {model.config.max_seq_len} tokens")
         check_engine_config(config)
         self.model, self.config = model, config
         self.policy = ENGINE_POLICIES[config.cache]
+        self.min_affix_reuse = min_affix_reuse if config.selective else 0  # no probe to pay for without anchors
         self.context = context or model.config.max_seq_len
         pool_tokens = pool_tokens or max_batch * self.context
         num_blocks = -(-pool_tokens // block_size)
@@ -193,9 +202,10 @@ class Engine:
                gen_length: int) -> int:
         """Queue a checked request (`_check`'s results); returns its id."""
         cfg, mcfg = self.config, self.model.config
+        reuse = len(affix_ids or ()) * (gen_length // cfg.block_length)
+        policy = "baseline" if reuse < self.min_affix_reuse else self.policy
         seq = SequenceState.from_request(self._next_id, request, affix_ids, gen_length, cfg.block_length,
-                                         mcfg.mask_token_id, self.policy,
-                                         affix if isinstance(affix, AffixCache) else None)
+                                         mcfg.mask_token_id, policy, affix if isinstance(affix, AffixCache) else None)
         self.scheduler.add(seq, cfg.anchors(seq.affix_len), cfg.min_anchors(seq.affix_len))
         self.runner.reserve(seq)
         self._live[seq.request_id] = seq

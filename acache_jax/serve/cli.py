@@ -88,6 +88,10 @@ def parser() -> argparse.ArgumentParser:
                    help="the most tokens one engine step computes (bounds its activations; probes and block "
                         f"starts beyond it wait a step); default: --warmup-tokens when set, else "
                         f"{DEFAULT_STEP_TOKENS}")
+    p.add_argument("--min-affix-reuse", type=_non_negative, default=0,
+                   help="acache: a request whose affix tokens x generation blocks fall below this runs as dual, "
+                        "its probe costing more than its affix saves when it runs alone (about 920 on an H100 "
+                        "at 8B shape: docs/BENCHMARKS.md); default 0: every request with an affix runs ACache")
     p.add_argument("--shutdown-timeout", type=_seconds, default=10.0,
                    help="seconds running requests get at SIGTERM; those still running then get a 503")
     limits = Limits()
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                             min_count=args.affix_min_count, min_tokens=args.affix_min_tokens,
                             affix_budget_bytes=args.affix_memory_mb << 20,
                             finish_early=args.early_stop, warmup_tokens=args.warmup_tokens,
-                            max_step_tokens=args.max_step_tokens, default_engine=engine_config(base))
+                            max_step_tokens=args.max_step_tokens, min_affix_reuse=args.min_affix_reuse,
+                            default_engine=engine_config(base))
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -58,6 +58,7 @@ class Settings:
     # that a burst of new requests runs on warmed-up programs (split over steps), else the engine's
     # default bound
     max_step_tokens: int | None = None
+    min_affix_reuse: int = 0  # Engine's: requests of less affix tokens x blocks run as dual
     default_engine: DecodeConfig | None = None  # the key of requests with the server's defaults: kept
 
 
@@ -224,7 +225,7 @@ class Worker:
             bound = s.max_step_tokens or s.warmup_tokens or DEFAULT_STEP_TOKENS
             engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch,
                                                    fixed_shapes=s.warmup_tokens > 0, context=s.context,
-                                                   max_step_tokens=bound)
+                                                   max_step_tokens=bound, min_affix_reuse=s.min_affix_reuse)
         self.engines.move_to_end(config)
         return engine
 
