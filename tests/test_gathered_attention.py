@@ -178,3 +178,18 @@ def test_a_program_lowers_each_kernel_shape_once():
     # two attention configurations: gathered_attention's tuned blocks and the probe's own
     assert defined == {"_pallas": 2, "_importance": 1}
     assert called == {"_pallas": 6, "_importance": 3}
+
+
+def test_the_jnp_path_skips_a_read_set_no_row_reads_and_returns_what_computing_it_gives():
+    """A fixed-shape engine's second read set is empty in a step where no segment needs it: the jnp
+    path skips it (`attention._gathered`), with the output and log-sum-exp of computing it in full."""
+    from acache_jax.network.attention import _gathered
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        q, kp, vp, slots, _ = make_inputs(5, 3, 8, 4, 2, 64, 40, 50, dtype)
+        none = jnp.zeros((3,), jnp.int32)
+        want = gathered_attention(q, kp, vp, slots, none, backend="xla", return_lse=True)
+        got = jax.jit(_gathered, static_argnames="backend")(q, kp, vp, slots, none, backend="xla")
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+            assert g.dtype == w.dtype and g.shape == w.shape

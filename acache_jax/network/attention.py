@@ -73,7 +73,13 @@ def _gathered(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slots: jax.Arr
     split, runs per device over its own query and KV heads (shard_map); the jnp oracle is left to
     the partitioner."""
     attend = lambda *a: gathered_attention(*a, return_lse=True, backend=backend)
-    if backend == "xla" or model_axis_size() == 1:
+    if backend == "xla":
+        # The jnp path computes every key of a read set, padding included, where the kernel loops
+        # over `lens` only. A set no row reads (a fixed-shape engine keeps its second set, empty in
+        # a step where no segment needs it) is skipped: its result is that of a set with no keys.
+        empty = lambda q, k_pool, v_pool, slots, lens: attend(q, k_pool, v_pool, slots[:, :1], lens)
+        return jax.lax.cond(lens.any(), attend, empty, q, k_pool, v_pool, slots, lens)
+    if model_axis_size() == 1:
         return attend(q, k_pool, v_pool, slots, lens)
     rows = rows_axis(q.shape[0])
     heads, kv = P(rows, None, RULES.heads, None), RULES.spec(KV_AXES)
