@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from acache_jax.network.config import ATTENTION_BACKENDS
 from acache_jax.network.kv import PoolAccess, distinct_past_end
 from acache_jax.network.sharding import KV_AXES, RULES, constrain_kv, model_axis_size, rows_axis
-from pallas_kernels import anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
+from pallas_kernels import MASK_VALUE, anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
 
 # Finite stand-in for -inf: a query whose keys are all invalid (a padding row) yields a uniform
 # average instead of NaN, and its output is never used.
@@ -68,18 +68,20 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) 
 
 
 def _gathered(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, slots: jax.Array, lens: jax.Array,
-              backend: str) -> tuple[jax.Array, jax.Array]:
+              backend: str, may_be_empty: bool = False) -> tuple[jax.Array, jax.Array]:
     """`gathered_attention` (output, log-sum-exp). Under a mesh the Pallas kernel, which XLA cannot
     split, runs per device over its own query and KV heads (shard_map); the jnp oracle is left to
     the partitioner."""
     attend = lambda *a: gathered_attention(*a, return_lse=True, backend=backend)
-    if backend == "xla":
+    if backend == "xla" and may_be_empty:
         # The jnp path computes every key of a read set, padding included, where the kernel loops
         # over `lens` only. A set no row reads (a fixed-shape engine keeps its second set, empty in
-        # a step where no segment needs it) is skipped: its result is that of a set with no keys.
-        empty = lambda q, k_pool, v_pool, slots, lens: attend(q, k_pool, v_pool, slots[:, :1], lens)
+        # a step where no segment needs it) is skipped: its result is that of a set with no keys,
+        # a zero output and a log-sum-exp of MASK_VALUE (a constant branch: no second attention
+        # to compile).
+        empty = lambda q, *_: (jnp.zeros_like(q), jnp.full(q.shape[:3], MASK_VALUE, jnp.float32))
         return jax.lax.cond(lens.any(), attend, empty, q, k_pool, v_pool, slots, lens)
-    if model_axis_size() == 1:
+    if backend == "xla" or model_axis_size() == 1:
         return attend(q, k_pool, v_pool, slots, lens)
     rows = rows_axis(q.shape[0])
     heads, kv = P(rows, None, RULES.heads, None), RULES.spec(KV_AXES)
@@ -159,8 +161,8 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
         out_tiles = cudnn_attention(q_own, jnp.concatenate(keys, 1), jnp.concatenate(values, 1),
                                     jnp.concatenate(valid, 1))
     else:
-        parts = [_gathered(tile(q_read), pool_k, pool_v, per_tile(rs.slots), per_tile(rs.lens), backend)
-                 for q_read, rs in reads]
+        parts = [_gathered(tile(q_read), pool_k, pool_v, per_tile(rs.slots), per_tile(rs.lens), backend, i > 0)
+                 for i, (q_read, rs) in enumerate(reads)]
         out_tiles = merge_partials(*map(list, zip(*parts)))
     if access.probe_weight is not None:  # the probed set's softmax, from its attention's log-sum-exp
         q_read, rs = reads[access.probe_read]
