@@ -99,3 +99,13 @@ def test_sigterm_during_the_warm_up_stops_it_and_exits_0_in_seconds():
     for word in ("Traceback", "terminate called", "did not stop", "warm-up failed"):
         assert word not in log, log
     print(f"\nexited {took:.1f} s after SIGTERM, having compiled {compiled[1]} programs")
+
+
+def test_min_affix_reuse_is_a_non_negative_count_of_affix_tokens_times_blocks(capsys):
+    """`--min-affix-reuse` (Engine's `min_affix_reuse`): 0 by default, any non-negative integer; a
+    negative one is refused by the parser before anything loads."""
+    assert cli.parser().parse_args([]).min_affix_reuse == 0
+    assert cli.parser().parse_args(["--min-affix-reuse", "920"]).min_affix_reuse == 920
+    with pytest.raises(SystemExit) as e:
+        cli.parser().parse_args(["--min-affix-reuse", "-1"])
+    assert e.value.code == 2 and "--min-affix-reuse" in capsys.readouterr().err
