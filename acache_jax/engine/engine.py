@@ -202,8 +202,7 @@ class Engine:
                gen_length: int) -> int:
         """Queue a checked request (`_check`'s results); returns its id."""
         cfg, mcfg = self.config, self.model.config
-        reuse = len(affix_ids or ()) * (gen_length // cfg.block_length)
-        policy = "baseline" if reuse < self.min_affix_reuse else self.policy
+        policy = "baseline" if self.runs_as_dual(len(affix_ids or ()), gen_length) else self.policy
         seq = SequenceState.from_request(self._next_id, request, affix_ids, gen_length, cfg.block_length,
                                          mcfg.mask_token_id, policy, affix if isinstance(affix, AffixCache) else None)
         self.scheduler.add(seq, cfg.anchors(seq.affix_len), cfg.min_anchors(seq.affix_len))
@@ -211,6 +210,11 @@ class Engine:
         self._live[seq.request_id] = seq
         self._next_id += 1
         return seq.request_id
+
+    def runs_as_dual(self, affix_len: int, gen_length: int) -> bool:
+        """A request with an affix of this length runs as `dual` here: its affix tokens times its
+        generation blocks fall below `min_affix_reuse`."""
+        return affix_len > 0 and affix_len * (gen_length // self.config.block_length) < self.min_affix_reuse
 
     def cancel(self, request_id: int) -> bool:
         """Stop a queued or running request now, freeing its slots at once; False if it is not live
