@@ -62,7 +62,9 @@ EXPECTED = {
 # The README's command per checkpoint ("Supported checkpoints": the authors' recommended decoding).
 README_COMMANDS = {repo: shlex.split(command) for repo in EXPECTED for command in PARSE
                    if f"/path/to/{repo.split('/')[1]} " in command}
-SHORT = ["--gen-length", "8", "--block-length", "8", "--steps", "8"]  # after the README's own: they win
+# After the README's own flags, so they win: one token a step as those commands decode, over 4 tokens
+# (each step samples the real vocabulary, 126k-152k columns: most of this test's time on a CPU)
+SHORT = ["--gen-length", "4", "--block-length", "4", "--steps", "4"]
 
 
 def test_every_checkpoint_is_tested_and_documented():
@@ -101,7 +103,8 @@ def test_checkpoint_loads_converts_chats_and_decodes(repo, tmp_path, capsys):
     assert converted.config == cfg and converted.generation_config == defaults
     assert converted.stop_token_ids == model.stop_token_ids and converted.encode(HELLO) == model.encode(HELLO)
     assert len(converted.tokenizer) == len(tok)
-    same = jax.tree.map(lambda a, b: a.dtype == b.dtype and bool((a == b).all()), model.params, converted.params)
+    same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b)),
+                        model.params, converted.params)  # on the host: no program to compile per shape
     assert all(jax.tree.leaves(same))  # bit for bit, in the dtype both load in (bf16)
 
     argv = README_COMMANDS[repo][3:]  # after ".venv/bin/python -m acache_jax.generate"
@@ -110,7 +113,7 @@ def test_checkpoint_loads_converts_chats_and_decodes(repo, tmp_path, capsys):
     assert generate_cli.main([*argv, *SHORT, "--json"]) == 0  # its sampling flags, on its model
     row = json.loads(capsys.readouterr().out)
     tokens = np.asarray(row["tokens"])
-    assert tokens.shape == (8,) and ((0 <= tokens) & (tokens < cfg.vocab_size)).all() and isinstance(row["text"], str)
+    assert tokens.shape == (4,) and ((0 <= tokens) & (tokens < cfg.vocab_size)).all() and isinstance(row["text"], str)
     assert cfg.mask_token_id not in tokens  # every position committed, never to [MASK] (Diffulex #39's symptom)
 
 
