@@ -20,11 +20,6 @@ from acache_jax.network.kv import PoolAccess, distinct_past_end
 from acache_jax.network.sharding import KV_AXES, RULES, constrain_kv, model_axis_size, rows_axis
 from pallas_kernels import MASK_VALUE, anchor_importance, gathered_attention, merge_partials, rope, supported_on_gpu
 
-# Finite stand-in for -inf: a query whose keys are all invalid (a padding row) yields a uniform
-# average instead of NaN, and its output is never used.
-_MASKED = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
 def default_backend(head_dim: int) -> str:
     """The Pallas kernel on a GPU (where it compiles for this head dim), the plain jnp path elsewhere."""
     return "pallas" if jax.default_backend() == "gpu" and supported_on_gpu(head_dim) else "xla"
@@ -48,7 +43,9 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) 
     qg = q.reshape(b, tq, hkv, hq // hkv, d)
     scores = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (d**-0.5)
-    scores = jnp.where(valid[:, None, None, None, :], scores, _MASKED)
+    # MASK_VALUE (finite): a query whose keys are all invalid (a padding row) yields a uniform average
+    # instead of NaN, and its output is never used.
+    scores = jnp.where(valid[:, None, None, None, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhgqk,bkhd->bqhgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, tq, hq, d).astype(q.dtype)
