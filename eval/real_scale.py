@@ -329,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(kept; a snapshot already there is reused); default: a temporary directory, removed")
     p.add_argument("--steps", default=",".join(STEPS), help=f"which of {','.join(STEPS)} to run")
     p.add_argument("--gen-length", type=int, default=256)
+    p.add_argument("--block-length", type=int, default=None,
+                   help="the generate steps' decoding block (default: the model's)")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="the server's --warmup-tokens (default: 16 x 128 with an NVIDIA GPU; else 0)")
     p.add_argument("--timeout", type=float, default=900, help="seconds any one step may take")
@@ -388,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
                 run("load converted, warm cache", ["load", str(converted)])
         prompt = ",".join(str(10 + i) for i in range(64))
         generate = ["acache_jax.generate", "--prompt-ids", prompt, "--gen-length", str(args.gen_length)]
+        if args.block_length is not None:
+            generate += ["--block-length", str(args.block_length)]
         if "generate" in steps:
             empty_cache()
             run("generate, cold cache", [*generate, "--model", str(snapshot)])

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_real_scale_runs_each_entry_point_and_reads_the_cache_back(tmp_path):
     out = tmp_path / "rows.json"
     run = subprocess.run([sys.executable, "-m", "eval.real_scale", "--family", "llada", "--layers", "1", "--hidden",
-                          "128", "--steps", "convert,load,generate", "--gen-length", "32", "--workdir",
-                          str(tmp_path / "work"), "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+                          "128", "--steps", "convert,load,generate", "--gen-length", "8", "--block-length", "8",
+                          "--workdir", str(tmp_path / "work"), "--out", str(out)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = {row["step"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["write snapshot", "read files (page cache)", "convert", "load snapshot, cold cache",
