@@ -139,31 +139,49 @@ def counting_compiles() -> Iterator[dict]:
         seen.update((k, _COMPILED[k] - before[k]) for k in ("compiles", "compile_s"))
 
 
-def serve(engine: Engine, workload, arrivals: np.ndarray) -> dict:
-    """Feed requests to an idle engine at their arrival times; returns throughput and latency percentiles."""
+def serve(engine: Engine, workload, arrivals: np.ndarray, groups: list[str] | None = None) -> dict:
+    """Feed requests to an idle engine at their arrival times; returns throughput and latency
+    percentiles, and with `groups` (a label per request) the latency of each label's requests."""
     start = time.perf_counter()
-    pending, arrived_at, latency = 0, {}, {}
+    pending, index, latency = 0, {}, {}  # index: request id -> its place in the workload
     while len(latency) < len(workload):
         now = time.perf_counter() - start
         while pending < len(workload) and arrivals[pending] <= now:
             affix, request, gen = workload[pending]
-            arrived_at[engine.add(request, affix, gen_length=gen)] = arrivals[pending]
+            index[engine.add(request, affix, gen_length=gen)] = pending
             pending += 1
         if not engine.has_unfinished():  # nothing to do before the next arrival
             time.sleep(max(0.0, arrivals[pending] - now))
             continue
         for res in engine.step():
-            latency[res.request_id] = time.perf_counter() - start - arrived_at[res.request_id]
+            i = index[res.request_id]
+            latency[i] = time.perf_counter() - start - arrivals[i]
     seconds = time.perf_counter() - start
     engine.drain()
-    lat = np.asarray(list(latency.values()))
+    lat = np.asarray([latency[i] for i in range(len(workload))])
     generated = sum(gen for _, _, gen in workload)
     stats = engine.stats
-    return dict(seconds=seconds, tokens_per_s=generated / seconds, p50_s=float(np.percentile(lat, 50)),
-                p99_s=float(np.percentile(lat, 99)), iterations=stats.iterations, affix_fills=stats.affix_fills,
-                forward_tokens=stats.forward_tokens,
-                padded_over_forward=stats.padded_tokens / max(1, stats.forward_tokens),
-                host_fraction=stats.host_seconds / stats.seconds)
+    result = dict(seconds=seconds, tokens_per_s=generated / seconds, p50_s=float(np.percentile(lat, 50)),
+                  p99_s=float(np.percentile(lat, 99)), iterations=stats.iterations, affix_fills=stats.affix_fills,
+                  forward_tokens=stats.forward_tokens,
+                  padded_over_forward=stats.padded_tokens / max(1, stats.forward_tokens),
+                  host_fraction=stats.host_seconds / stats.seconds)
+    if groups is not None:
+        result["groups"] = by_group(lat, groups)
+    return result
+
+
+def by_group(latency: np.ndarray, groups: list[str]) -> dict:
+    """Per label: how many requests, and their latency p50 / p99 in seconds."""
+    labels = np.asarray(groups)
+    return {g: dict(n=int((labels == g).sum()), p50_s=float(np.percentile(latency[labels == g], 50)),
+                    p99_s=float(np.percentile(latency[labels == g], 99))) for g in sorted(set(groups))}
+
+
+def group_label(affix_len: int, gen: int, as_dual: bool) -> str:
+    """A request's kind for the per-group latencies: its affix's length, its generation length, and
+    whether a `min_affix_reuse` rule ran it as dual."""
+    return f"affix {affix_len:4d}, gen {gen:3d}" + (", as dual" if as_dual else "")
 
 
 def add_common_flags(p: argparse.ArgumentParser, *, model_help: str, model_required: bool, requests: int) -> None:
@@ -236,16 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         with counting_compiles() as compiled:
             warm = Engine(model, config, **engine_settings)
             warm.warm_up(args.max_batch * context)
-            as_dual = sum(warm.runs_as_dual(len(affix or ()), gen) for affix, _, gen in workload)
+            duals = [warm.runs_as_dual(len(affix or ()), gen) for affix, _, gen in workload]
+            groups = [group_label(len(affix or ()), gen, dual) for (affix, _, gen), dual in zip(workload, duals)]
             del warm  # its pool: one engine's at a time on the device
             firsts = [served[i] for i in first_of_each_affix(workload)]
             serve(Engine(model, config, **engine_settings), firsts, np.zeros(len(firsts)))  # each affix's fill
         result[name] = dict(warm_up=dict(compiled, seconds=time.perf_counter() - start), min_affix_reuse=reuse,
-                            requests_as_dual=as_dual, passes={})
+                            requests_as_dual=sum(duals), passes={})
         for rate in rates:
             arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, size=args.requests))
             with counting_compiles() as compiled:
-                run = serve(Engine(model, config, **engine_settings), served, arrivals)
+                run = serve(Engine(model, config, **engine_settings), served, arrivals, groups)
             result[name]["passes"][str(rate)] = dict(run, **compiled)
             print(json.dumps({name: {"rate": rate, **run, **compiled}}), flush=True)
     result["speedup"] = {name: {str(rate): result[name]["passes"][str(rate)]["tokens_per_s"]
