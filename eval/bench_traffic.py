@@ -18,7 +18,11 @@ still compiled: 0 expected). ACache's affixes are built once beforehand, as a se
 holds them, and one request of each primes its fill. Both policies serve the same requests at the
 same arrival times. `--min-affix-reuse N` adds an ACache pass per N whose engines run as dual
 every request whose affix tokens x generation blocks fall below N (`Engine(min_affix_reuse=)`).
-Reports generated tokens/s over the whole pass and request latency (arrival to finish) p50 / p99.
+Reports generated tokens/s over the whole pass and request latency (arrival to finish) p50 / p99,
+in all and per kind of request (affix length, generation length, run as dual). `--timed` adds a
+pass per policy at the first rate whose every jitted call waits for the device and is timed: the
+device seconds per kind of call (which segments a packed step held, the affix fills, the block
+loop), where a policy's time goes.
 At 8B shape on an H100 the baseline saturates near 40 requests/s (docs/BENCHMARKS.md): 4 and 16
 are low load there, 160 is past saturation for both policies.
 """
@@ -41,6 +45,7 @@ from acache_jax.decoding.layout import AFFIX_POSITIONS, Request
 from acache_jax.engine import Engine
 from acache_jax.network.checkpoint import load
 from acache_jax.network.files import check_output_path, write_atomic
+from eval.bench_engine import Recorder
 
 def _placement(rng: np.random.Generator, no_affix: float) -> str:
     return "none" if rng.random() < no_affix else AFFIX_POSITIONS[int(rng.integers(3))]
@@ -171,6 +176,16 @@ def serve(engine: Engine, workload, arrivals: np.ndarray, groups: list[str] | No
     return result
 
 
+def device_time(recorder: Recorder) -> dict:
+    """A timed pass's jitted calls per kind (the packed step's segment kinds, "fill", "loop"): how
+    many, their device seconds in all and the median call's."""
+    seconds: dict[str, list[float]] = {}
+    for kind, s in recorder.packed + [("loop", s) for _, s in recorder.loop]:
+        seconds.setdefault(kind, []).append(s)
+    return {kind: dict(n=len(t), seconds=float(np.sum(t)), median_s=float(np.median(t)))
+            for kind, t in sorted(seconds.items())}
+
+
 def by_group(latency: np.ndarray, groups: list[str]) -> dict:
     """Per label: how many requests, and their latency p50 / p99 in seconds."""
     labels = np.asarray(groups)
@@ -207,6 +222,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gen-lengths", default="32,64", help="comma-separated, drawn uniformly per request")
     p.add_argument("--no-affix", type=float, default=0.25, help="the fraction of requests without an affix")
     p.add_argument("--ratio", type=float, default=0.2)
+    p.add_argument("--timed", action="store_true",
+                   help="after the passes, one more per policy at the first rate with every jitted call timed "
+                        "(each waits for the device: a breakdown of where the pass's time goes, not a latency)")
     p.add_argument("--min-affix-reuse", default="",
                    help="comma-separated: one more ACache pass per value, its requests of fewer affix tokens x "
                         "blocks run as dual")
@@ -246,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(model=str(args.model or args.shape), requests=args.requests, no_affix=args.no_affix,
                   gen_lengths=gens, context=context)
     passes = policies(args.min_affix_reuse)
+    arrivals_at = lambda rate: np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, size=args.requests))
     for name, (cache, reuse) in passes.items():
         config = base.replace(cache=cache, anchor_ratio=args.ratio)
         served = with_affix_caches(model, workload) if config.selective else workload
@@ -262,11 +281,15 @@ def main(argv: list[str] | None = None) -> int:
         result[name] = dict(warm_up=dict(compiled, seconds=time.perf_counter() - start), min_affix_reuse=reuse,
                             requests_as_dual=sum(duals), passes={})
         for rate in rates:
-            arrivals = np.cumsum(np.random.default_rng(args.seed).exponential(1.0 / rate, size=args.requests))
             with counting_compiles() as compiled:
-                run = serve(Engine(model, config, **engine_settings), served, arrivals, groups)
+                run = serve(Engine(model, config, **engine_settings), served, arrivals_at(rate), groups)
             result[name]["passes"][str(rate)] = dict(run, **compiled)
             print(json.dumps({name: {"rate": rate, **run, **compiled}}), flush=True)
+        if args.timed:
+            recorder = Recorder(timed=True)
+            run = serve(Engine(model, config, observer=recorder, **engine_settings), served, arrivals_at(rates[0]))
+            result[name]["timed"] = dict(rate=rates[0], seconds=run["seconds"], calls=device_time(recorder))
+            print(json.dumps({name: result[name]["timed"]}), flush=True)
     result["speedup"] = {name: {str(rate): result[name]["passes"][str(rate)]["tokens_per_s"]
                                 / result["baseline"]["passes"][str(rate)]["tokens_per_s"] for rate in rates}
                          for name in passes if name != "baseline"}

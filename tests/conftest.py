@@ -75,9 +75,9 @@ LONG_FILES = ("test_engine.py", "test_acache.py", "test_soak.py", "test_readme.p
               "test_checkpoints.py", "test_sharding.py", "test_train.py", "test_serve.py", "test_lm_eval.py",
               "test_compile_cache.py", "test_generate_cli.py", "test_real_scale.py", "test_serve_limits.py",
               "test_acache_parity.py", "test_decode.py", "test_decode_parity.py", "test_affix_sweep.py",
-              "test_kv_view.py", "test_gathered_attention.py", "test_bad_inputs.py", "test_interrupted_runs.py",
-              "test_engine_hooks.py", "test_model_parity.py", "test_shipped_models.py", "test_convert.py",
-              "test_packaging.py")
+              "test_bench_traffic.py", "test_kv_view.py", "test_gathered_attention.py", "test_bad_inputs.py",
+              "test_interrupted_runs.py", "test_engine_hooks.py", "test_model_parity.py", "test_shipped_models.py",
+              "test_convert.py", "test_packaging.py")
 
 
 def pytest_collection_modifyitems(items):
