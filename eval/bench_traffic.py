@@ -259,10 +259,9 @@ def main(argv: list[str] | None = None) -> int:
         steps = max(gens) // args.tokens_per_step
         base = model.decode_config(gen_length=max(gens), block_length=args.block, steps=steps, threshold=None)
     context = row_length(workload)
-    # As the server sizes itself: a pool for max_batch of the longest rows, and steps of up to that
-    # many tokens compiled at start (new requests' probes cover their whole rows).
-    settings = dict(pool_tokens=args.max_batch * context, max_batch=args.max_batch, fixed_shapes=True,
-                    context=context)
+    # As the server sizes itself: the default pool for max_batch of the longest rows, and steps of up
+    # to that many tokens compiled at start (new requests' probes cover their whole rows).
+    settings = dict(max_batch=args.max_batch, fixed_shapes=True, context=context)
     result = dict(model=str(args.model or args.shape), requests=args.requests, no_affix=args.no_affix,
                   gen_lengths=gens, context=context)
     passes = policies(args.min_affix_reuse)

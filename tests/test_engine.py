@@ -137,10 +137,20 @@ def test_pool_limits(fixtures_dir):
     assert len(results) == 3 and engine.stats.peak_blocks <= 10
     with pytest.raises(RequestTooLargeError, match="more than the pool"):
         Engine(model, cfg, pool_tokens=32, block_size=8).add(REQUESTS[1], AFFIX)
+    # The default pool of one request: a request as long as the context (14 pages of 8) also holds
+    # its 5 anchors, and its private and affix slots each end in a part-filled page (12 + 3 pages
+    # for 90 + 23 slots).
+    prompt = Request(list(range(1, 70)), affix_position="suffix")
+    for cache, ratio in (("acache", 0.2), ("acache", 1.0), ("direct", 0.2), ("dual", 0.2)):
+        one = Engine(model, cfg.replace(cache=cache, anchor_ratio=ratio), block_size=8, max_batch=1, context=108)
+        one.add(prompt, AFFIX)  # 69 + 23 + 16 tokens: the context
+        assert one.usage().waiting == 1
+        with pytest.raises(RequestError, match="context"):
+            one.add(Request(list(range(1, 71)), affix_position="suffix"), AFFIX)
 
 
 def test_the_engine_context_bounds_its_pool_read_widths_and_requests(fixtures_dir):
-    """`context` (a server's --max-model-len) sizes the default pool (max_batch x context) and, with
+    """`context` (a server's --max-model-len) sizes the default pool (max_batch x context here) and, with
     fixed shapes, the read widths, in place of the model's context (256 here; Dream's 131072 made a
     server's pool and programs too large for an H200); a longer request is refused, and so is a
     context beyond the model's."""

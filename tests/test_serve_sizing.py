@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from acache_jax.network.config import InputError
+from acache_jax.engine.engine import default_pool_tokens
+from acache_jax.network.config import DecodeConfig, InputError
 from acache_jax.serve import cli
 from tests.test_serve import start_server
 
@@ -26,26 +27,41 @@ LLADA = dict(model_context=4096, token_bytes=32 * 2 * 32 * 128 * 2)
 # what the H200 of docs/results/real_scale_dream_h200_622d9fc_stderr.log had free beside Dream-7B's bf16
 # weights: its allocator's limit (XLA's "base limit" there, 104.9 GiB) less about 15 GiB
 H200_FREE = 90 * GIB
+ACACHE = DecodeConfig(cache="acache")  # the server's default policy, 0.2 anchors per affix token
 
 
 def test_the_default_context_is_the_model_s_when_its_pool_fits_or_the_memory_is_not_known():
-    assert cli.serve_context(**LLADA, max_batch=16, free_bytes=H200_FREE, gen_length=256) == (4096, None)  # 32 GiB
-    assert cli.serve_context(**DREAM, max_batch=4, free_bytes=H200_FREE, gen_length=256) == (131072, None)  # 28 GiB
-    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=None, gen_length=256) == (131072, None)  # a CPU
+    assert cli.serve_context(**LLADA, max_batch=16, free_bytes=H200_FREE, gen_length=256, config=ACACHE) == (4096, None)  # 32 GiB
+    assert cli.serve_context(**DREAM, max_batch=4, free_bytes=H200_FREE, gen_length=256, config=ACACHE) == (131072, None)  # 28 GiB
+    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=None, gen_length=256, config=ACACHE) == (131072, None)  # a CPU
 
 
 def test_a_default_pool_that_does_not_fit_lowers_the_context_to_the_longest_power_of_two_that_does():
     """Dream at --max-batch 16: 16 x 131072 tokens are 112 GiB of K/V, and 65536 tokens 56 GiB, more
     than half of the 90 GiB free; 32768 (28 GiB) fits. One line says so and names the flags."""
-    context, note = cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256)
+    context, note = cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256, config=ACACHE)
     assert context == 32768
     assert note.startswith("requests of up to 32768 tokens (the model's context is 131072)") and "112.0 GiB" in note
     assert "\n" not in note and all(flag in note for flag in ("--max-model-len", "--pool-tokens", "--max-batch"))
     # flags that fit are taken as they are, and need no line
-    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256,
+    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256, config=ACACHE,
                              max_model_len=16384) == (16384, None)
-    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256,
+    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=H200_FREE, gen_length=256, config=ACACHE,
                              pool_tokens=500_000) == (131072, None)
+
+
+def test_at_one_request_the_pool_holds_its_anchors_and_the_context_is_sized_for_them():
+    """At --max-batch 1 the default pool holds one request of the context with its anchors (0.2 of an
+    affix as long as the context) and a page of rounding per segment, so the context is the longest
+    power of two whose pool fits, not whose context fits; under dual the pool is the context."""
+    # 32768 tokens with ceil(0.2 x 32768) = 6554 anchors: 2458 pages of 16 slots, and one more
+    assert default_pool_tokens(ACACHE, 1, 32768) == (2458 + 1) * 16 == 39344
+    assert default_pool_tokens(DecodeConfig(cache="dual"), 1, 32768) == 32768
+    assert default_pool_tokens(ACACHE, 2, 32768) == 2 * 32768
+    free = 2 * DREAM["token_bytes"] * 36_000  # K/V of 36000 tokens in the half for the pool
+    assert cli.serve_context(**DREAM, max_batch=1, free_bytes=free, gen_length=256, config=ACACHE)[0] == 16384
+    assert cli.serve_context(**DREAM, max_batch=1, free_bytes=free, gen_length=256,
+                             config=DecodeConfig(cache="dual"))[0] == 32768
 
 
 @pytest.mark.parametrize("flags,free,message", [
@@ -58,7 +74,7 @@ def test_a_default_pool_that_does_not_fit_lowers_the_context_to_the_longest_powe
 ])
 def test_flags_whose_pool_cannot_fit_are_refused_in_one_line(flags, free, message):
     with pytest.raises(InputError) as e:
-        cli.serve_context(**DREAM, max_batch=16, free_bytes=free, gen_length=256, **flags)
+        cli.serve_context(**DREAM, max_batch=16, free_bytes=free, gen_length=256, config=ACACHE, **flags)
     assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
 
 

@@ -42,6 +42,18 @@ ENGINE_SELECTORS = (*PROBE_SIGN, *DEVIATION_SELECTORS)  # all but random: a prob
 # card, which ran the case at XLA's default memory fraction with this bound (about 5.4 GiB by that
 # rate; docs/BENCHMARKS.md, "Seventh run"). Steps of a few requests stay below it.
 DEFAULT_STEP_TOKENS = 16_384
+BLOCK_SIZE = 16  # slots of a pool block, by default
+
+
+def default_pool_tokens(config: DecodeConfig, max_batch: int, context: int, block_size: int = BLOCK_SIZE) -> int:
+    """An engine's KV pool when none is given: `max_batch` requests of `context` tokens, and never
+    less than one such request holds. Sharing an affix, a request also holds slots for its anchors,
+    and its private and affix slots each round up to a page, so at `max_batch=1` a pool of
+    `context` tokens would refuse a request that fits the context."""
+    one = context
+    if ENGINE_POLICIES[config.cache] != "baseline":  # the affix is shared: two page-rounded segments
+        one = (-(-(context + config.anchors(context)) // block_size) + 1) * block_size
+    return max(max_batch * context, one)
 
 
 @dataclasses.dataclass
@@ -123,9 +135,10 @@ class Engine:
     beforehand, as a server wants; otherwise shapes follow the requests (less padding, programs
     compiled as new shapes appear).
     context: prompt + generated tokens of the longest request the engine serves (default, and at
-    most, the model's context); a longer request is refused. It sizes the default pool (max_batch x
-    context) and the fixed shapes' read widths: a model whose context is far longer than its
-    requests (Dream's 131072 tokens) would otherwise get a pool and programs for that length.
+    most, the model's context); a longer request is refused. It sizes the default pool
+    (`default_pool_tokens`: max_batch x context, or one request's slots if more) and the fixed
+    shapes' read widths: a model whose context is far longer than its requests (Dream's 131072
+    tokens) would otherwise get a pool and programs for that length.
     max_step_tokens: the most tokens one iteration's packed forward computes (default
     `DEFAULT_STEP_TOKENS`; None: no bound), which bounds its activations: probes and block starts
     beyond it wait for a later iteration (`Scheduler.schedule`; the oldest waiting one always runs).
@@ -139,7 +152,7 @@ class Engine:
     """
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
-                 block_size: int = 16, max_batch: int = 16, observer: Observer | None = None,
+                 block_size: int = BLOCK_SIZE, max_batch: int = 16, observer: Observer | None = None,
                  fixed_shapes: bool = False, context: int | None = None,
                  max_step_tokens: int | None = DEFAULT_STEP_TOKENS, min_affix_reuse: int = 0):
         config = resolve_decode_config(config, model.generation_config)
@@ -156,7 +169,7 @@ class Engine:
         self.policy = ENGINE_POLICIES[config.cache]
         self.min_affix_reuse = min_affix_reuse if config.selective else 0  # no probe to pay for without anchors
         self.context = context or model.config.max_seq_len
-        pool_tokens = pool_tokens or max_batch * self.context
+        pool_tokens = pool_tokens or default_pool_tokens(config, max_batch, self.context, block_size)
         num_blocks = -(-pool_tokens // block_size)
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_batch, max_step_tokens)

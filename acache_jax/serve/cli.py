@@ -22,7 +22,7 @@ import jax
 
 from acache_jax import compile_cache
 from acache_jax.cli import DEFAULT_MODEL, Parser, add_compile_cache, positive, threshold
-from acache_jax.engine.engine import DEFAULT_STEP_TOKENS, ENGINE_POLICIES, check_engine_config
+from acache_jax.engine.engine import DEFAULT_STEP_TOKENS, ENGINE_POLICIES, check_engine_config, default_pool_tokens
 from acache_jax.network.checkpoint import load
 from acache_jax.network.config import ATTENTION_BACKENDS, InputError
 from acache_jax.network.kv import KVPool
@@ -32,6 +32,7 @@ from acache_jax.serve.limits import Lifecycle, Limits, graceful_server, header_t
 if TYPE_CHECKING:
     import uvicorn
 
+    from acache_jax.network.config import DecodeConfig
     from acache_jax.serve.worker import Worker
 
 EXIT_CUT = 3  # the shutdown timeout cut running requests (each was answered 503)
@@ -74,7 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=ATTENTION_BACKENDS, help="attention backend (default: pallas on a GPU)")
     p.add_argument("--max-batch", type=positive, default=16, help="requests decoded together per engine")
     p.add_argument("--pool-tokens", type=positive,
-                   help="KV pool per engine in tokens (default: --max-batch x --max-model-len)")
+                   help="KV pool per engine in tokens (default: --max-batch x --max-model-len; at --max-batch 1, "
+                        "room for a request's anchors too)")
     p.add_argument("--max-engines", type=positive, default=4, help="distinct decoding settings served at once")
     p.add_argument("--max-queue", type=positive, default=256, help="requests queued or running; more get 429")
     p.add_argument("--no-discovery", dest="discovery", action="store_false", help="serve declared affixes only")
@@ -138,17 +140,19 @@ def free_device_bytes() -> int | None:
 
 
 def serve_context(model_context: int, max_batch: int, token_bytes: int, free_bytes: int | None, gen_length: int,
-                  max_model_len: int | None = None, pool_tokens: int | None = None) -> tuple[int, str | None]:
+                  config: DecodeConfig, max_model_len: int | None = None, pool_tokens: int | None = None
+                  ) -> tuple[int, str | None]:
     """(the context requests get, the server's max-model-len; a line saying why, when it is below
     the model's and no flag set it), so that an engine's KV pool (`token_bytes` a token) fits in
     half of `free_bytes`, the device memory free after the weights (None: not known, nothing is
     checked); the other half is for activations (a step of --warmup-tokens tokens) and compiled
-    programs. An engine's default pool is max_batch requests of that context: the model's, unless
-    that would not fit (Dream's 131072 tokens x 16 are 112 GiB of K/V), then the longest power of
-    two that does, with room for a prompt as long as the default answer. A --max-model-len or
-    --pool-tokens whose pool does not fit is an InputError: one line at start, not an
-    out-of-memory error in the warm-up or a first request."""
+    programs. The default engine's pool (`default_pool_tokens` of its `config`) is max_batch
+    requests of that context: the model's, unless that would not fit (Dream's 131072 tokens x 16
+    are 112 GiB of K/V), then the longest power of two that does, with room for a prompt as long
+    as the default answer. A --max-model-len or --pool-tokens whose pool does not fit is an
+    InputError: one line at start, not an out-of-memory error in the warm-up or a first request."""
     budget = None if free_bytes is None else free_bytes // 2
+    pool = lambda context: default_pool_tokens(config, max_batch, context)
     fits = lambda tokens: budget is None or tokens * token_bytes <= budget
     kv = lambda tokens: _size(tokens * token_bytes)
     room = "" if budget is None else (f"half of the {_size(free_bytes)} the device has free after the weights "
@@ -161,22 +165,23 @@ def serve_context(model_context: int, max_batch: int, token_bytes: int, free_byt
                              "long would never fit in the pool")
         return max_model_len or model_context, None
     if max_model_len is not None:
-        if not fits(max_batch * max_model_len):
+        if not fits(pool(max_model_len)):
             raise InputError(f"a KV pool of --max-batch {max_batch} x --max-model-len {max_model_len} tokens needs "
-                             f"{kv(max_batch * max_model_len)} of KV, more than {room}; lower either, or set "
+                             f"{kv(pool(max_model_len))} of KV, more than {room}; lower either, or set "
                              "--pool-tokens")
         return max_model_len, None
-    if fits(max_batch * model_context):
+    if fits(pool(model_context)):
         return model_context, None
     least = min(2 * gen_length, model_context)  # the default answer, and as long a prompt
-    most = budget // token_bytes // max_batch
-    context = 1 << (most.bit_length() - 1) if most else 0  # the longest power of two that fits
+    context = 1 << max(0, (model_context - 1).bit_length() - 1)  # the longest power of two below the model's
+    while context and not fits(pool(context)):
+        context >>= 1
     if context < least:
         raise InputError(f"a KV pool of --max-batch {max_batch} requests of even {least} tokens (the default "
-                         f"generation length {gen_length} and a prompt) needs {kv(max_batch * least)} of KV, more "
+                         f"generation length {gen_length} and a prompt) needs {kv(pool(least))} of KV, more "
                          f"than {room}; lower --max-batch, or set --pool-tokens")
     return context, (f"requests of up to {context} tokens (the model's context is {model_context}): a KV pool of "
-                     f"--max-batch {max_batch} x {model_context} tokens would need {kv(max_batch * model_context)} "
+                     f"--max-batch {max_batch} x {model_context} tokens would need {kv(pool(model_context))} "
                      f"of KV, more than {room}; --max-model-len, --pool-tokens or --max-batch change this")
 
 
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_lengths(args, model.config.max_seq_len, base.gen_length)
         context, note = serve_context(model.config.max_seq_len, args.max_batch,
                                       KVPool.slot_bytes(model.config, model.dtype), free_device_bytes(),
-                                      base.gen_length, args.max_model_len, args.pool_tokens)
+                                      base.gen_length, base, args.max_model_len, args.pool_tokens)
         settings = Settings(max_batch=args.max_batch, pool_tokens=args.pool_tokens, context=context,
                             max_engines=args.max_engines, max_queue=args.max_queue, discovery=args.discovery,
                             min_count=args.affix_min_count, min_tokens=args.affix_min_tokens,

@@ -42,7 +42,7 @@ class Settings:
     """The server's engine and discovery flags."""
 
     max_batch: int = 16
-    pool_tokens: int | None = None  # per engine (default max_batch x context)
+    pool_tokens: int | None = None  # per engine (default `default_pool_tokens`)
     context: int | None = None  # prompt + generated tokens of a request (default the model's context)
     max_engines: int = 4
     max_queue: int = 256  # requests queued or running, over every engine
