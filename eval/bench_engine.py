@@ -103,14 +103,21 @@ class Recorder:
         else:
             self.packed.append((kind, seconds))
 
+    def seconds(self) -> dict[str, list[float]]:
+        """Each timed call's seconds by kind: the packed step's segment kinds, "fill", and "loop"
+        (whole block loops), in sorted order."""
+        out: dict[str, list[float]] = {}
+        for kind, s in self.packed + [("loop", s) for _, s in self.loop]:
+            out.setdefault(kind, []).append(s)
+        return dict(sorted(out.items()))
+
     def medians(self) -> dict[str, float]:
         """Median seconds per kind of packed call (`{kind}_median_s`) and per in-block step of the
         block loop (`decode_step_median_s`, present once a loop ran)."""
-        med = lambda xs: float(np.median(xs)) if xs else 0.0
-        kinds = sorted({kind for kind, _ in self.packed})
-        out = {f"{kind}_median_s": med([s for k, s in self.packed if k == kind]) for kind in kinds}
+        out = {f"{kind}_median_s": float(np.median(s)) for kind, s in self.seconds().items() if kind != "loop"}
         if self.loop:
-            out["decode_step_median_s"] = med([s / n for n, s in self.loop if n])
+            steps = [s / n for n, s in self.loop if n]
+            out["decode_step_median_s"] = float(np.median(steps)) if steps else 0.0
         return out
 
 

@@ -179,11 +179,8 @@ def serve(engine: Engine, workload, arrivals: np.ndarray, groups: list[str] | No
 def device_time(recorder: Recorder) -> dict:
     """A timed pass's jitted calls per kind (the packed step's segment kinds, "fill", "loop"): how
     many, their device seconds in all and the median call's."""
-    seconds: dict[str, list[float]] = {}
-    for kind, s in recorder.packed + [("loop", s) for _, s in recorder.loop]:
-        seconds.setdefault(kind, []).append(s)
     return {kind: dict(n=len(t), seconds=float(np.sum(t)), median_s=float(np.median(t)))
-            for kind, t in sorted(seconds.items())}
+            for kind, t in recorder.seconds().items()}
 
 
 def by_group(latency: np.ndarray, groups: list[str]) -> dict:
