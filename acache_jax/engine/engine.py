@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from acache_jax.decoding.acache import DEVIATION_SELECTORS, PROBE_SIGN, AffixCache, check_affix_cache
-from acache_jax.decoding.layout import Request, check_affix, check_context, check_request
+from acache_jax.decoding.layout import Request, check_affix, check_context, check_request, round_up
 from acache_jax.engine.block_manager import BlockManager
 from acache_jax.engine.runner import Observer, Runner
 from acache_jax.engine.scheduler import Plan, Scheduler, StepOutput
@@ -52,7 +52,7 @@ def default_pool_tokens(config: DecodeConfig, max_batch: int, context: int, bloc
     `context` tokens would refuse a request that fits the context."""
     one = context
     if ENGINE_POLICIES[config.cache] != "baseline":  # the affix is shared: two page-rounded segments
-        one = (-(-(context + config.anchors(context)) // block_size) + 1) * block_size
+        one = round_up(context + config.anchors(context), block_size) + block_size
     return max(max_batch * context, one)
 
 
