@@ -31,9 +31,10 @@ ACACHE = DecodeConfig(cache="acache")  # the server's default policy, 0.2 anchor
 
 
 def test_the_default_context_is_the_model_s_when_its_pool_fits_or_the_memory_is_not_known():
-    assert cli.serve_context(**LLADA, max_batch=16, free_bytes=H200_FREE, gen_length=256, config=ACACHE) == (4096, None)  # 32 GiB
-    assert cli.serve_context(**DREAM, max_batch=4, free_bytes=H200_FREE, gen_length=256, config=ACACHE) == (131072, None)  # 28 GiB
-    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=None, gen_length=256, config=ACACHE) == (131072, None)  # a CPU
+    default = dict(gen_length=256, config=ACACHE)
+    assert cli.serve_context(**LLADA, max_batch=16, free_bytes=H200_FREE, **default) == (4096, None)  # 32 GiB
+    assert cli.serve_context(**DREAM, max_batch=4, free_bytes=H200_FREE, **default) == (131072, None)  # 28 GiB
+    assert cli.serve_context(**DREAM, max_batch=16, free_bytes=None, **default) == (131072, None)  # a CPU
 
 
 def test_a_default_pool_that_does_not_fit_lowers_the_context_to_the_longest_power_of_two_that_does():
