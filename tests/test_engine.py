@@ -117,13 +117,16 @@ def test_a_warmed_up_engine_compiles_no_step(fixtures_dir, caplog):
     stopped = threading.Event()
     stopped.set()
     assert engine.warm_up(128, stop=stopped) == 0  # a server stopping: no compile starts
-    assert engine.warm_up(128) == 2 + 2  # one token axis with and without a probe; loops of 1 and 2 rows
+    # one token axis: probing, and not probing with and without a second read set; loops of 1 and
+    # 2 rows with and without one
+    assert engine.warm_up(128) == 3 + 4
     with jax.log_compiles(), caplog.at_level(logging.WARNING):
         results = engine.generate(REQUESTS, AFFIX)
+        prefixed = engine.generate([REQUESTS[0], REQUESTS[3]], AFFIX)  # one read set after their probe
     compiled = [r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")]
     assert compiled == ["jit(compute_affix)"]  # the affix fill, which the warm-up leaves to the first request
     static = generate(model, REQUESTS, cfg, affix=AFFIX)
-    assert [r.tokens.tolist() for r in results] == [t.tolist() for t in static.tokens]
+    assert [r.tokens.tolist() for r in results + prefixed] == [static.tokens[i].tolist() for i in (0, 1, 2, 3, 4, 0, 3)]
     with pytest.raises(ValueError, match="fixed shapes"):
         Engine(model, cfg, pool_tokens=200, block_size=8).warm_up(128)
 
@@ -345,8 +348,8 @@ def test_a_step_token_bound_splits_the_work_and_changes_no_token(fixtures_dir):
 def test_requests_whose_affix_starts_at_zero_read_one_set_after_their_probe(fixtures_dir, monkeypatch):
     """Their shared affix rows are stored rotated at their own positions, so after the probe they
     read them in their own set (one attention call a layer, not two and a merge), with the static
-    path's tokens; a request with its affix elsewhere reads two sets, and so does every step of an
-    engine with fixed shapes (the programs it warmed up)."""
+    path's tokens; a request with its affix elsewhere reads two sets. With fixed shapes too: an
+    empty second set would cost every step its attention calls (`warm_up` compiles both)."""
     model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
     sets = []
@@ -360,7 +363,8 @@ def test_requests_whose_affix_starts_at_zero_read_one_set_after_their_probe(fixt
     monkeypatch.setattr(runner, "block_loop", counting)
     prefixed = [REQUESTS[0], REQUESTS[3]]
     static = generate(model, prefixed, cfg, affix=AFFIX)
-    for requests, fixed, want in ((prefixed, False, 1), (prefixed, True, 2), (REQUESTS[1:2], False, 2)):
+    for requests, fixed, want in ((prefixed, False, 1), (prefixed, True, 1), (REQUESTS[1:2], False, 2),
+                                  (REQUESTS[1:2], True, 2)):
         sets.clear()
         engine = Engine(model, cfg, pool_tokens=200, block_size=8, max_batch=2, fixed_shapes=fixed)
         results = engine.generate(requests, AFFIX)

@@ -330,11 +330,12 @@ class Runner:
         (`kv.reads_affix_in_own_set`; a row's columns are its positions). DropNA reads no shared row."""
         return seq.shares_affix and reads_affix_in_own_set(seq.row.affix_start) and not self.config.drop_non_anchor
 
-    def _read_sets(self, plan: Plan, n_rows: int) -> tuple[tuple[ReadSet, ...], np.ndarray]:
+    def _read_sets(self, plan: Plan, n_rows: int, second: bool = False) -> tuple[tuple[ReadSet, ...], np.ndarray]:
         """Per segment (then empty rows): its private slots, and under acache its shared affix slots
         (`_reads_whole`: every slot in the first set); and the number of keys each segment reads.
-        A step in which no segment reads a second set has none (with fixed shapes it keeps an empty
-        one: the programs warmed up have two)."""
+        A step in which no segment reads a second set has none (`second`: an empty one all the
+        same, for `warm_up`). An empty set is not free: at LLaDA-8B shape its attention calls and
+        merge cost every step about a tenth (docs/BENCHMARKS.md, "Which requests pay")."""
         whole = [self._reads_whole(s) and not s.needs_probe for s in plan.segments]
         maps = [s.read_slot_map for s in plan.segments]
         sets = [([m if w else m[s.own_columns if s.needs_probe else s.private_columns]
@@ -346,7 +347,7 @@ class Runner:
                 shared = [v if s.needs_probe else v[:0] for s, v in zip(plan.segments, shared)]
             offsets = np.zeros(n_rows, np.int32)
             offsets[:len(plan.segments)] = [s.row.affix_start for s in plan.segments]
-            if self.fixed_shapes or any(len(v) for v in shared):
+            if second or any(len(v) for v in shared):
                 sets.append((shared, offsets))
         keys = sum(np.asarray([len(x) for x in v]) for v, _ in sets)
         assert all(len(x) <= w for w, (v, _) in zip(self.read_widths, sets) for x in v), "a request was not reserved"
@@ -422,7 +423,9 @@ class Runner:
         """Compile, `threads` at a time (default 8, or the CPU count if fewer: more compiles than
         cores only share them, and the compiles in flight are what a stop waits for), every program
         a fixed-shape runner runs for steps of up to `max_tokens` tokens: the packed step at each
-        token axis (with and without a probe) and the block loop at each row count. Returns how many
+        token axis (with and without a probe; under acache, without one, also with and without a
+        second read set) and the block loop at each row count (under acache, with and without a
+        second read set). Returns how many
         it compiled: all of them, unless `stop` was set meanwhile (a server stopping). Once `stop` is
         set, or a compile has failed, no compile starts: the call returns (or raises that failure)
         when those in flight end. A failure would otherwise leave every other program to fail in
@@ -432,16 +435,21 @@ class Runner:
             raise ValueError("warm_up needs a runner with fixed shapes (the programs depend on the traffic otherwise)")
         n_rows = row_bucket(self.max_batch) + 1
         empty = Plan([], [], [], [])
-        reads, _ = self._read_sets(empty, n_rows)
+        one, _ = self._read_sets(empty, n_rows)
+        # Under acache, steps that read a second set (probes, rows reading their affix apart) and
+        # steps that do not; a probing step always reads one.
+        two = self._read_sets(empty, n_rows, second=True)[0] if self.config.selective else None
         axes = [token_bucket(1, **FIXED_AXIS)]
         while axes[-1] < max_tokens:
             axes.append(token_bucket(axes[-1] + 1, **FIXED_AXIS))
+        kinds = [(one, False)] + ([(two, False), (two, True)] if two else [])
         programs = []
-        for m, probing in itertools.product(axes, (False, True) if self.config.selective else (False,)):
+        for m, (reads, probing) in itertools.product(axes, kinds):
             packing, buffer = pack(self._packed(empty, reads, n_rows, axis=m, probing=probing)[0])
             programs.append((packed_step, self.structure, self.program_config, packing, self.params, self.pool, buffer))
         after = self._commits([], n_rows, [], [])  # what a packed step hands the block loop, as shapes
-        for loop_rows in sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}):
+        for loop_rows, reads in itertools.product(sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}),
+                                                  [one] + ([two] if two else [])):
             packing, buffer = pack((reads, self._loop(empty, n_rows, loop_rows)))
             programs.append((block_loop, self.structure, self.program_config, packing, self.params, self.pool, buffer,
                              after))
