@@ -425,31 +425,30 @@ class Runner:
         a fixed-shape runner runs for steps of up to `max_tokens` tokens: the packed step at each
         token axis (with and without a probe; under acache, without one, also with and without a
         second read set) and the block loop at each row count (under acache, with and without a
-        second read set). Returns how many
-        it compiled: all of them, unless `stop` was set meanwhile (a server stopping). Once `stop` is
-        set, or a compile has failed, no compile starts: the call returns (or raises that failure)
-        when those in flight end. A failure would otherwise leave every other program to fail in
+        second read set). Returns how many it compiled: all of them, unless `stop` was set
+        meanwhile (a server stopping). Once `stop` is set, or a compile has failed, no compile
+        starts: the call returns (or raises that failure) when those in flight end. A failure would otherwise leave every other program to fail in
         turn (at 8B shapes, minutes of them), and a process that exits while XLA compiles in its
         threads aborts."""
         if not self.fixed_shapes:
             raise ValueError("warm_up needs a runner with fixed shapes (the programs depend on the traffic otherwise)")
         n_rows = row_bucket(self.max_batch) + 1
         empty = Plan([], [], [], [])
-        one, _ = self._read_sets(empty, n_rows)
         # Under acache, steps that read a second set (probes, rows reading their affix apart) and
         # steps that do not; a probing step always reads one.
-        two = self._read_sets(empty, n_rows, second=True)[0] if self.config.selective else None
+        selective = self.config.selective
+        sets = [self._read_sets(empty, n_rows, second=second)[0]
+                for second in ((False, True) if selective else (False,))]
         axes = [token_bucket(1, **FIXED_AXIS)]
         while axes[-1] < max_tokens:
             axes.append(token_bucket(axes[-1] + 1, **FIXED_AXIS))
-        kinds = [(one, False)] + ([(two, False), (two, True)] if two else [])
+        kinds = [(reads, False) for reads in sets] + ([(sets[1], True)] if selective else [])
         programs = []
         for m, (reads, probing) in itertools.product(axes, kinds):
             packing, buffer = pack(self._packed(empty, reads, n_rows, axis=m, probing=probing)[0])
             programs.append((packed_step, self.structure, self.program_config, packing, self.params, self.pool, buffer))
         after = self._commits([], n_rows, [], [])  # what a packed step hands the block loop, as shapes
-        for loop_rows, reads in itertools.product(sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}),
-                                                  [one] + ([two] if two else [])):
+        for loop_rows, reads in itertools.product(sorted({row_bucket(n) for n in range(1, self.max_batch + 1)}), sets):
             packing, buffer = pack((reads, self._loop(empty, n_rows, loop_rows)))
             programs.append((block_loop, self.structure, self.program_config, packing, self.params, self.pool, buffer,
                              after))
