@@ -345,6 +345,10 @@ def add_case_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
                     help="the engines' bound on one step's tokens (default: the engine's, %(default)s; 0: none); "
                          "outputs do not change")
+    ap.add_argument("--affix", choices=["ids", "built"], default="ids",
+                    help="ids: each ACache run computes its affix (the fill, counted in its time model); built: "
+                         "ACache's engines get the affix cache built once per case, outside the timed runs, as a "
+                         "server's affix store serves every request after the first (the fill is then a copy)")
 
 
 def main(argv=None) -> None:
@@ -362,10 +366,6 @@ def main(argv=None) -> None:
     ap.add_argument("--meshes", default="none", type=parse_meshes,
                     help="each model under each of: none (no mesh) and TPxDP meshes, e.g. none,1x1 (rows model@tp1dp1)")
     ap.add_argument("--repeats", type=int, default=3, help="plain runs per case and policy (the median is reported)")
-    ap.add_argument("--affix", choices=["ids", "built"], default="ids",
-                    help="ids: each ACache run computes its affix (the fill, counted in its time model); built: "
-                         "ACache's engines get the affix cache built once per case, outside the timed runs, as a "
-                         "server's affix store serves every request after the first (the fill is then a copy)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="also run each case under cProfile and print its N functions of most own time")
     ap.add_argument("--out", type=Path, default=None)

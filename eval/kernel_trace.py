@@ -29,7 +29,7 @@ import jax
 
 from acache_jax import compile_cache
 from eval.bench_decode import llada_8b, random_model
-from eval.bench_engine import add_case_args, case_configs, dream_7b, new_engine, warm
+from eval.bench_engine import add_case_args, case_configs, dream_7b, new_engine, served_affix, warm
 
 
 def busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             traced = time.perf_counter()
             with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
                 engine = new_engine(model, configs[policy], pool_tokens, batch, args)
-                engine.generate(requests, affix)
+                engine.generate(requests, served_affix(model, policy, affix, args))
             print(f"{args.family} {policy} B{batch} {args.shots}-shot: compiled in {traced - started:.1f} s, "
                   f"traced run {time.perf_counter() - traced:.2f} s, "
                   f"{engine.stats.summary()['tokens_per_s']:.0f} tok/s", flush=True)

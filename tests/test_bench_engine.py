@@ -82,3 +82,21 @@ def test_a_warm_up_waiting_for_room_gives_up_at_the_deadline(capsys):
                     budget_bytes=10)
     assert ready == []  # the first held the room past the deadline; the other three gave up waiting
     assert "no room on the device before the compile deadline" in capsys.readouterr().out
+
+
+def test_kernel_trace_profiles_the_cases_bench_engine_times(tmp_path, monkeypatch, capsys):
+    """eval.kernel_trace takes bench_engine's case flags (`--affix built` among them) and traces one
+    run per case; a tiny model in LLaDA's layout stands in for the 8B one on this CPU."""
+    from acache_jax.network.config import ModelConfig
+    from eval import kernel_trace
+
+    tiny = ModelConfig(family="llada", vocab_size=512, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=4,
+                       head_dim=16, intermediate_size=128, rope_theta=10000.0, rms_norm_eps=1e-5, max_seq_len=512,
+                       qkv_bias=False, mask_token_id=500, eos_token_id=501, pad_token_id=501)
+    monkeypatch.setattr(kernel_trace, "llada_8b", lambda layers: tiny)
+    kernel_trace.main(["--out", str(tmp_path), "--shots", "1", "--batches", "1", "--gen", "32", "--steps", "8",
+                       "--affix", "built"])
+    out = capsys.readouterr().out
+    for policy in POLICIES:
+        assert f"llada {policy} B1 1-shot: compiled in" in out
+        assert any((tmp_path / f"trace_llada_{policy}_b1").rglob("*.json.gz"))
