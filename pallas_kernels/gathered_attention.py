@@ -298,7 +298,8 @@ def _pallas(q, k_pool, v_pool, slots, kv_lens, sm_scale, interpret, block_q, blo
         out_shape=[jax.ShapeDtypeStruct((splits, b, hkv, rows_p, d), jnp.float32), part, part],
         interpret=interpret,
         compiler_params=_compiler_params(num_warps, num_stages),
-        name="gathered_attention",
+        # query blocks x rows per (row, kv head) in the name: a trace tells in-block steps from recomputes
+        name=f"gathered_attention_{n_q}x{bm}",
     )(kv_lens, slots, qs, k_pool, v_pool)
 
     if splits == 1:
