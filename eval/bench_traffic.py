@@ -19,7 +19,8 @@ holds them, and one request of each primes its fill. Both policies serve the sam
 same arrival times. `--min-affix-reuse N` adds an ACache pass per N whose engines run as dual
 every request whose affix tokens x generation blocks fall below N (`Engine(min_affix_reuse=)`).
 Reports generated tokens/s over the whole pass and request latency (arrival to finish) p50 / p99,
-in all and per kind of request (affix length, generation length, run as dual). `--timed` adds a
+in all and per kind of request (affix length, generation length, run as dual): JSON lines on stdout
+(and the whole result with `--json`), the same as a table on stderr. `--timed` adds a
 pass per policy at the first rate whose every jitted call waits for the device and is timed: the
 device seconds per kind of call (which segments a packed step held, the affix fills, the block
 loop), where a policy's time goes.
@@ -33,6 +34,7 @@ import argparse
 import contextlib
 import functools
 import json
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,10 +194,13 @@ def by_group(latency: np.ndarray, groups: list[str]) -> dict:
     return out
 
 
+AS_DUAL = ", as dual"
+
+
 def group_label(affix_len: int, gen: int, as_dual: bool) -> str:
     """A request's kind for the per-group latencies: its affix's length, its generation length, and
     whether a `min_affix_reuse` rule ran it as dual."""
-    return f"affix {affix_len:4d}, gen {gen:3d}" + (", as dual" if as_dual else "")
+    return f"affix {affix_len:4d}, gen {gen:3d}" + (AS_DUAL if as_dual else "")
 
 
 def add_common_flags(p: argparse.ArgumentParser, *, model_help: str, model_required: bool, requests: int) -> None:
@@ -236,6 +241,26 @@ def policies(min_affix_reuse: str) -> dict[str, tuple[str, int]]:
     for value in filter(None, min_affix_reuse.split(",")):
         out[f"acache_min_reuse_{int(value)}"] = ("acache", int(value))
     return out
+
+
+def report(result: dict) -> str:
+    """The result as a table to read: per rate, each pass's tokens/s and latency p50 / p99 in ms over
+    all requests and per kind of request; a cell marked * is a kind that pass's rule ran as dual."""
+    names = [n for n, v in result.items() if isinstance(v, dict) and "passes" in v]
+    width = max(18, *(len(n) for n in names))
+    cell = lambda row, mark=" ": f"{row['p50_s'] * 1e3:.1f} / {row['p99_s'] * 1e3:.1f}{mark}"
+    line = lambda label, cells: f"{label:30s}" + "".join(f"  {c:>{width}}" for c in cells).rstrip()
+    lines = []
+    for rate in result[names[0]]["passes"]:
+        runs = [result[n]["passes"][rate] for n in names]
+        lines += [line(f"rate {float(rate):g}/s: p50 / p99 ms", [f"{n} " for n in names]),
+                  line("tokens/s", [f"{r['tokens_per_s']:.1f} " for r in runs]),
+                  line("all requests", [cell(r) for r in runs])]
+        for kind in sorted({g.removesuffix(AS_DUAL) for r in runs for g in r["groups"]}):
+            rows = [r["groups"].get(kind) or r["groups"][kind + AS_DUAL] for r in runs]
+            marks = ["*" if kind + AS_DUAL in r["groups"] else " " for r in runs]
+            lines.append(line(f"{kind} (n={rows[0]['n']})", [cell(row, m) for row, m in zip(rows, marks)]))
+    return "\n".join(lines + ["* run as dual by the pass's min_affix_reuse rule"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -292,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                                 / result["baseline"]["passes"][str(rate)]["tokens_per_s"] for rate in rates}
                          for name in passes if name != "baseline"}
     print(json.dumps(result))
+    print(report(result), file=sys.stderr)
     if args.json:
         write_atomic(args.json, json.dumps(result, indent=1))
     return 0

@@ -6,7 +6,7 @@ import json
 from eval.bench_traffic import group_label, main
 
 
-def test_passes_groups_and_timed_breakdown(tmp_path):
+def test_passes_groups_and_timed_breakdown(tmp_path, capsys):
     out = tmp_path / "traffic.json"
     assert main(["--model", "acache_jax/models/llada-small", "--requests", "8", "--rate", "50", "--max-batch", "2",
                  "--gen-lengths", "32", "--min-affix-reuse", "1000000", "--timed", "--json", str(out)]) == 0
@@ -23,6 +23,15 @@ def test_passes_groups_and_timed_breakdown(tmp_path):
     # every label of the rule's pass says "as dual" where the request has an affix
     rule_groups = result["acache_min_reuse_1000000"]["passes"]["50.0"]["groups"]
     assert all(("as dual" in g) == (g != no_affix) for g in rule_groups)
+    # the table on stderr: a row per kind of request, a cell per pass, the rule's dual kinds marked
+    err = capsys.readouterr().err.splitlines()
+    table = err[next(i for i, line in enumerate(err) if line.startswith("rate 50/s: p50 / p99 ms")):]
+    assert table[0].split()[-3:] == names
+    base = result["baseline"]["passes"]["50.0"]
+    assert table[2].split()[2:4] == [f"{base['p50_s'] * 1e3:.1f}", "/"]
+    for label, group in base["groups"].items():
+        row = next(r for r in table if r.startswith(f"{label} (n={group['n']})"))
+        assert row.count(" / ") == 3 and row.endswith("*") == (label != no_affix)
     calls = {name: result[name]["timed"]["calls"] for name in names}
     # only ACache probes; a rule that runs every request as dual leaves its engine the baseline's calls
     assert any("probe" in kind for kind in calls["acache"])
