@@ -8,7 +8,7 @@ import pytest
 import acache_jax
 from acache_jax.decoding import decode, sampling
 from acache_jax.decoding.decode import generate
-from acache_jax.decoding.layout import Request, RequestError
+from acache_jax.decoding.layout import Request, RequestError, make_batch
 from acache_jax.network.config import DecodeConfig, DecodeError
 
 PROMPTS = [[5, 17, 33, 2, 90], [11, 3, 3, 64, 101, 7, 45, 19, 8, 100, 2], [23, 99], [1, 2, 3, 4, 5, 6, 7]]
@@ -54,6 +54,31 @@ def test_no_recompilation_within_a_bucket(llada):
     assert decode.decode_batch._cache_size() == compiled
     generate(llada, [[9] * 17], config)  # a longer bucket compiles once
     assert decode.decode_batch._cache_size() == compiled + 1
+
+
+@pytest.mark.parametrize("family,base,changes", [
+    ("llada", DecodeConfig(gen_length=16, block_length=8, temperature=0.7, threshold=0.6),
+     [dict(temperature=0.3), dict(threshold=0.8), dict(temperature=1.5, threshold=0.5)]),
+    ("llada", DecodeConfig(gen_length=16, block_length=8, threshold=None, factor=1.0), [dict(factor=2.5)]),
+    ("dream", DecodeConfig(gen_length=16, block_length=8, temperature=0.8, top_p=0.9, threshold=None, steps=8,
+                           alg_temp=0.5), [dict(temperature=0.4, top_p=0.6, alg_temp=1.5)]),
+])
+def test_sampler_numbers_share_the_program(request, family, base, changes):
+    """Configs that differ only in the sampler's numbers run one compiled loop (the numbers are traced),
+    and give the tokens of the loop with those numbers compiled in (fp32)."""
+    model = request.getfixturevalue(family)
+    prompt = Request(PROMPTS[1], seed=3)
+    generate(model, [prompt], base)
+    compiled = decode.decode_batch._cache_size()
+    batch = make_batch([prompt], base.gen_length, model.config, None)
+    for change in changes:
+        config = base.replace(**change)
+        traced = generate(model, [prompt], config).tokens[0]
+        assert decode.decode_batch._cache_size() == compiled, change
+        built_in, _ = decode.decode_batch(*model.flat, batch, config)  # numbers in the program's key
+        compiled = decode.decode_batch._cache_size()
+        g0 = batch.gen_start
+        np.testing.assert_array_equal(traced, np.asarray(built_in)[0, g0:g0 + config.gen_length])
 
 
 def test_nfe_and_forward_tokens(llada):

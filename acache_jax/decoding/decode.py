@@ -25,7 +25,7 @@ import numpy as np
 
 from acache_jax.decoding.acache import build_affix_cache, check_affix_cache, select_anchors
 from acache_jax.decoding.layout import Batch, Request, as_requests, check_requests, make_batch, round_up
-from acache_jax.decoding.sampling import Commits, SamplerConfig
+from acache_jax.decoding.sampling import Commits, SamplerConfig, SamplerValues
 from acache_jax.network.config import DecodeConfig, DecodeError, resolve_decode_config
 from acache_jax.network.kv import AffixCache, KVPool, flat_index, read_set, reads_affix_in_own_set, rows_access
 from acache_jax.network.model import ForwardInputs, Model, Structure
@@ -53,9 +53,11 @@ class DecodeStats:
 
 
 def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: DecodeConfig,
-            affix: AffixCache | None = None, anchors: jax.Array | None = None) -> tuple[jax.Array, DecodeStats]:
+            affix: AffixCache | None = None, anchors: jax.Array | None = None,
+            sampler: SamplerValues | None = None) -> tuple[jax.Array, DecodeStats]:
     """The whole generation of one batch. Selective policies need `affix` and `anchors` [B, A]
-    (A anchors per row).
+    (A anchors per row). `sampler`: the sampler's numbers, traced (`cfg` a program key); None: those
+    of `cfg`, compiled in.
 
     Every forward writes its tokens' K/V into one pool and reads its row's keys from it (kv.py):
     full policies own B x T rows; selective ones read the affix from L shared rows (K rotated at
@@ -90,7 +92,7 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
             logits = uncond + (cfg.cfg_scale + 1) * (cond - uncond)
         return logits, out.pool
 
-    scfg = SamplerConfig.of(cfg, mcfg)
+    scfg = SamplerConfig.of(cfg, mcfg, sampler)
 
     def commit(x, s, logits, step, nfe, masked_at_start, block_start: bool):
         """x after one commit on its block at column s, and the rows' forward counts."""
@@ -275,6 +277,7 @@ def generate(
     nfe, ftok, seconds = (np.zeros(len(requests), dtype) for dtype in (np.int64, np.int64, np.float64))
     calls = 0
     probe_forwards = config.selector != "random" and n_anchors > 0
+    sampler = SamplerValues.of(config)  # traced: batches at other temperatures share the program
     for chunk in chunks:
         start = time.perf_counter()
         batch = place_rows(make_batch([requests[i] for i in chunk], config.gen_length, model.config, affix_ids),
@@ -286,9 +289,9 @@ def generate(
                                           config.anchor_mass, config.min_anchors(cache.length),
                                           anchor_axis(n_anchors, cache.length))
                            if n_anchors > 0 else jnp.zeros((batch.tokens.shape[0], 0), jnp.int32))
-                result = decode_batch(*model.flat, batch, _loop_key(config), cache, anchors)
+                result = decode_batch(*model.flat, batch, _loop_key(config), cache, anchors, sampler)
             else:
-                anchors, result = None, decode_batch(*model.flat, batch, _loop_key(config))
+                anchors, result = None, decode_batch(*model.flat, batch, _loop_key(config), sampler=sampler)
             (out, stats), anchors = jax.device_get((result, anchors))
         elapsed = time.perf_counter() - start
         g0 = batch.gen_start

@@ -16,15 +16,37 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from acache_jax.network.config import DecodeConfig, DreamAlg, Family, ModelConfig, Remasking
+from acache_jax.network.config import SAMPLER_VALUES, DecodeConfig, DreamAlg, Family, ModelConfig, Remasking
 
 NEG_INF = -jnp.inf
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SamplerValues:
+    """The sampler's numbers (`SAMPLER_VALUES`) as float32 scalars that compiled programs take
+    traced: configs that differ only in them share programs, whose static config keeps only which
+    rules apply (`DecodeConfig.program_key`). An unset number (None) is 0, and unused."""
+
+    temperature: jax.Array
+    threshold: jax.Array
+    factor: jax.Array
+    alg_temp: jax.Array
+    top_p: jax.Array
+
+    @classmethod
+    def of(cls, cfg: DecodeConfig) -> SamplerValues:
+        number = lambda value: np.float32(0.0 if value is None else value)
+        return cls(**{name: number(getattr(cfg, name)) for name in SAMPLER_VALUES})
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
-    """How tokens are proposed and which are committed at each step (hashable: a jit static)."""
+    """How tokens are proposed and which are committed at each step. Its numbers select the rules;
+    where `values` is set (inside compiled programs, built from a program key) the rules compute
+    with those instead (`value`)."""
 
     family: Family
     mask_token_id: int
@@ -37,13 +59,19 @@ class SamplerConfig:
     top_p: float | None = None  # Dream
     top_k: int | None = None  # Dream
     eps: float = 1e-3  # Dream timestep floor
+    values: SamplerValues | None = None
 
     @classmethod
-    def of(cls, cfg: DecodeConfig, mcfg: ModelConfig) -> SamplerConfig:
-        """The sampler settings of decoding settings `cfg` for a model of config `mcfg`."""
+    def of(cls, cfg: DecodeConfig, mcfg: ModelConfig, values: SamplerValues | None = None) -> SamplerConfig:
+        """The sampler settings of decoding settings `cfg` for a model of config `mcfg` (computing with
+        `values` where given: `cfg` is then a program key)."""
         return cls(family=mcfg.family, mask_token_id=mcfg.mask_token_id, temperature=cfg.temperature,
                    threshold=cfg.threshold, factor=cfg.factor, remasking=cfg.remasking, alg=cfg.alg,
-                   alg_temp=cfg.alg_temp, top_p=cfg.top_p, top_k=cfg.top_k)
+                   alg_temp=cfg.alg_temp, top_p=cfg.top_p, top_k=cfg.top_k, values=values)
+
+    def value(self, name: str) -> float | jax.Array:
+        """The number `name` of `SAMPLER_VALUES` a rule computes with."""
+        return getattr(self if self.values is None else self.values, name)
 
 
 def _gumbel(key: jax.Array, shape) -> jax.Array:
@@ -72,7 +100,7 @@ def propose(logits: jax.Array, keys: jax.Array, cfg: SamplerConfig) -> tuple[jax
         noisy = logits + never_mask
         if cfg.temperature > 0:  # upstream: exp(l) / (-log u)^T, i.e. argmax of l + T * gumbel
             g = jax.vmap(lambda k: _gumbel(k, (n, v)))(_row_keys(keys, 1))
-            noisy = noisy + cfg.temperature * g
+            noisy = noisy + cfg.value("temperature") * g
         x0 = jnp.argmax(noisy, axis=-1).astype(jnp.int32)
         if cfg.remasking == "low_confidence":
             picked = jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0]
@@ -84,9 +112,9 @@ def propose(logits: jax.Array, keys: jax.Array, cfg: SamplerConfig) -> tuple[jax
         return x0, conf
     # Dream's sample_tokens
     if cfg.temperature > 0:
-        logits = logits / cfg.temperature
+        logits = logits / cfg.value("temperature")
     if cfg.top_p is not None and cfg.top_p < 1:
-        logits = _top_p(logits, cfg.top_p)
+        logits = _top_p(logits, cfg.value("top_p"))
     if cfg.top_k is not None:
         kth = jax.lax.top_k(logits, min(cfg.top_k, v))[0][..., -1:]
         logits = jnp.where(logits < kth, jnp.finfo(jnp.float32).min, logits)
@@ -107,7 +135,7 @@ def propose(logits: jax.Array, keys: jax.Array, cfg: SamplerConfig) -> tuple[jax
     return x0, conf
 
 
-def _top_p(logits: jax.Array, top_p: float) -> jax.Array:
+def _top_p(logits: jax.Array, top_p: float | jax.Array) -> jax.Array:
     order = jnp.argsort(-logits, axis=-1)
     sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
     cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
@@ -129,14 +157,14 @@ def top_k_commit(conf: jax.Array, masked: jax.Array, k: jax.Array) -> jax.Array:
     return masked & (_ranks(conf, masked) < k[:, None])
 
 
-def threshold_commit(conf: jax.Array, masked: jax.Array, threshold: float) -> jax.Array:
+def threshold_commit(conf: jax.Array, masked: jax.Array, threshold: float | jax.Array) -> jax.Array:
     """Every masked position with conf >= threshold, and always the most confident one."""
     best = jnp.argmax(jnp.where(masked, conf, NEG_INF), axis=-1)
     forced = jnp.arange(conf.shape[-1])[None] == best[:, None]
     return masked & ((conf >= threshold) | forced)
 
 
-def factor_commit(conf: jax.Array, masked: jax.Array, factor: float) -> jax.Array:
+def factor_commit(conf: jax.Array, masked: jax.Array, factor: float | jax.Array) -> jax.Array:
     """Fast-dLLM's factor rule: with masked confidences sorted descending c_0 >= c_1 >= ..., c_i
     passes if c_i >= 1 - factor / (i + 2) (c_0 always passes); commit the prefix before the first
     failure, except that a failure at the last position (or none) commits all (upstream's edge rule)."""
@@ -173,7 +201,7 @@ def dream_schedule_commit(
     k = jnp.where(last, n, jnp.floor(n * (1 - s / t)).astype(n.dtype))
     if cfg.alg_temp > 0:  # sampling without replacement = top-k of perturbed log-weights
         g = jax.vmap(lambda key: _gumbel(key, (masked.shape[-1],)))(_row_keys(keys, 5))
-        conf = conf / cfg.alg_temp + g
+        conf = conf / cfg.value("alg_temp") + g
     return top_k_commit(conf, masked, k)
 
 
@@ -190,9 +218,9 @@ def commit_block(block: jax.Array, logits: jax.Array, step: jax.Array, keys: jax
     x0, conf = propose(logits, keys, cfg)
     step = jnp.broadcast_to(step, block.shape[:1])
     if cfg.factor is not None:
-        chosen = factor_commit(conf, masked, cfg.factor)
+        chosen = factor_commit(conf, masked, cfg.value("factor"))
     elif cfg.threshold is not None:
-        chosen = threshold_commit(conf, masked, cfg.threshold)
+        chosen = threshold_commit(conf, masked, cfg.value("threshold"))
     elif cfg.family == "llada":
         k = jnp.take_along_axis(sched, jnp.minimum(step, sched.shape[1] - 1)[:, None], axis=1)[:, 0]
         chosen = top_k_commit(conf, masked, k)

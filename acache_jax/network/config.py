@@ -270,6 +270,24 @@ def _kind_error(name: str, value: Any, kind: str) -> str | None:
     return None if ok else f"{name} must be {what}{' or null' * optional}, got {value!r}"
 
 
+# DecodeConfig's sampler numbers: traced in compiled programs (`sampling.SamplerValues`), so that
+# their static key (`DecodeConfig.program_key`) keeps only which rule each one selects.
+SAMPLER_VALUES = ("temperature", "threshold", "factor", "alg_temp", "top_p")
+
+
+def _sampler_rule(name: str, value: float | None) -> float | None:
+    """A stand-in for a sampler number that selects the same rule (sampling.py tests only these):
+    on or off for the temperatures (> 0), set or not for threshold and factor, and whether top_p
+    (below 1) cuts."""
+    if value is None:
+        return None
+    if name == "top_p":
+        return 0.5 if value < 1 else 1.0
+    if name in ("temperature", "alg_temp"):
+        return 1.0 if value > 0 else 0.0
+    return 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
     """Decoding settings (hashable: one compiled program per distinct config and bucket).
@@ -338,9 +356,13 @@ class DecodeConfig:
 
     def program_key(self) -> DecodeConfig:
         """This config as compiled programs' static argument: the anchor ratios only bound how many
-        anchors a request gets (on the host), so configs that differ only there share programs."""
+        anchors a request gets (on the host), and the sampler's numbers travel traced beside the key
+        (`sampling.SamplerValues`), which keeps only which of their rules apply; so configs that
+        differ only there share programs (a server's request with its own temperature compiles
+        nothing new)."""
         return dataclasses.replace(self, anchor_ratio=DecodeConfig.anchor_ratio,
-                                   anchor_min_ratio=DecodeConfig.anchor_min_ratio)
+                                   anchor_min_ratio=DecodeConfig.anchor_min_ratio,
+                                   **{name: _sampler_rule(name, getattr(self, name)) for name in SAMPLER_VALUES})
 
     def replace(self, **overrides: Any) -> DecodeConfig:
         """A copy with these fields changed (validated); an unknown field name is an error."""

@@ -1,8 +1,9 @@
 """The engine thread: the one owner of the engines, the affix index and store; the HTTP side only
 sends it commands and reads the events it sends back.
 
-Requests with equal decoding knobs share one `Engine` (its programs are compiled for one
-`DecodeConfig`); a request with other knobs gets an engine of its own, at most `max_engines` at
+Requests with equal decoding knobs share one `Engine` (one `DecodeConfig`; engines whose knobs
+differ only in the sampler's numbers share compiled programs, `DecodeConfig.program_key`); a
+request with other knobs gets an engine of its own, at most `max_engines` at
 once (an idle one is dropped for a new one; if none is idle the request is refused with 429). With
 `default_engine` set and room for two engines, one place is kept for the server's default
 settings and their engine is never dropped: a request with the defaults is never refused for
