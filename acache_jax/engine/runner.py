@@ -432,9 +432,9 @@ class Runner:
         second read set) and the block loop at each row count (under acache, with and without a
         second read set). Returns how many it compiled: all of them, unless `stop` was set
         meanwhile (a server stopping). Once `stop` is set, or a compile has failed, no compile
-        starts: the call returns (or raises that failure) when those in flight end. A failure would otherwise leave every other program to fail in
-        turn (at 8B shapes, minutes of them), and a process that exits while XLA compiles in its
-        threads aborts."""
+        starts: the call returns (or raises that failure) when those in flight end. A failure would
+        otherwise leave every other program to fail in turn (at 8B shapes, minutes of them), and a
+        process that exits while XLA compiles in its threads aborts."""
         if not self.fixed_shapes:
             raise ValueError("warm_up needs a runner with fixed shapes (the programs depend on the traffic otherwise)")
         n_rows = row_bucket(self.max_batch) + 1
