@@ -8,7 +8,8 @@ weights; eval.hf_snapshot), times reading its files from the page cache, then ru
 `python -m convert`; `acache_jax.load` of the snapshot and of the converted directory; `python -m
 acache_jax.generate --model DIR` (256 tokens) with an empty and then a warm compilation cache,
 static and `--engine`; the lm-eval adapter on one document; the server started (with its warm-up),
-one chat request, one streamed request, stopped by SIGTERM; the server again with the warm cache.
+one chat request, one streamed request, one at each of two temperatures and one under `dual`,
+stopped by SIGTERM; the server again with the warm cache.
 It prints one table: seconds, peak host RSS and peak device memory per step, with the programs each
 process compiled or read from the persistent compilation cache (`programs`, `program_s`: the
 seconds jax spent on them) and how many of those came from the cache (`cache_hits`). Tiny models prove logic, not scale: this is the
@@ -42,6 +43,8 @@ STATS_ENV = "REAL_SCALE_STATS"  # where a child writes its device and compile fi
 PROFILE_ENV = "REAL_SCALE_PROFILE"  # set: each step prints a cProfile of its command to stderr (a load also its
 # threads' timeline, `trace_load`), and runs slower
 CACHE_ENV = "ACACHE_JAX_COMPILE_CACHE"
+# requests the serve steps send after their first two: the sampler's numbers alone, then the policy
+SETTINGS = ({"temperature": 0.5}, {"temperature": 0.8}, {"cache": "dual"})
 
 
 # -- the child: a user's command, observed -------------------------------------------------------
@@ -278,7 +281,9 @@ def _post(url: str, body: dict, timeout: float) -> tuple[float, bytes]:
 def serve_step(name: str, model: Path, env: dict, cwd: Path, warmup_tokens: int, timeout: float,
                log: Path | None = None) -> dict:
     """Start the server (with its warm-up), wait until it answers, send one chat request and one
-    streamed one, stop it with SIGTERM."""
+    streamed one, then one at each of `SETTINGS` (other decoding settings: engines of their own in
+    the server's one KV pool; the second temperature runs on the programs the first compiled),
+    read how many engines it holds, stop it with SIGTERM."""
     port = _free_port()
     step = Step(name, ["acache_jax.serve", "--model", str(model), "--port", str(port),
                        "--warmup-tokens", str(warmup_tokens)], env, cwd, log)
@@ -305,13 +310,22 @@ def serve_step(name: str, model: Path, env: dict, cwd: Path, warmup_tokens: int,
                                   max(1.0, deadline - time.perf_counter()))
             figures["stream_s"] = round(latency, 2)
             figures["stream_ok"] = data.rstrip().endswith(b"data: [DONE]")
+            for knobs in SETTINGS:
+                latency, data = _post(f"{base}/v1/chat/completions", {**chat, **knobs},
+                                      max(1.0, deadline - time.perf_counter()))
+                name = "_".join(f"{k}_{v}" for k, v in knobs.items())
+                figures[f"{name}_s"] = round(latency, 2)
+                figures["settings_ok"] = figures.get("settings_ok", True) and bool(json.loads(data)["choices"])
+            with urllib.request.urlopen(f"{base}/metrics", timeout=10) as r:
+                metrics = dict(line.split(" ") for line in r.read().decode().splitlines() if line.startswith("acache_"))
+            figures["engines"] = int(float(metrics["acache_engines"]))
         except (OSError, ValueError, KeyError) as e:
             figures["client_error"] = f"{type(e).__name__}: {e}"[:200]
     if step.running():
         step.proc.send_signal(signal.SIGTERM)
     row = step.finish(timeout=120)
     row.update(figures)
-    if not (figures.get("chat_ok") and figures.get("stream_ok")) and "error" not in row:
+    if not (figures.get("chat_ok") and figures.get("stream_ok") and figures.get("settings_ok")) and "error" not in row:
         row["error"] = figures.get("client_error", "the server did not answer")
     return row
 

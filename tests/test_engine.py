@@ -72,6 +72,39 @@ def test_engine_equals_static_path_in_any_order(model, cache, extra, orders):
         assert engine.stats.affix_fills == (0 if cache == "dual" else 1)
 
 
+@pytest.mark.parametrize("model", ["llada"], indirect=True)
+def test_engines_sharing_one_pool_decode_as_alone_and_share_its_affix(model):
+    """Two engines of other settings in one `PagedPool` (a server's, one per decoding setting),
+    stepped in turn from one thread: each gives the static path's tokens, anchors and NFE; the
+    affix is filled once and read by both; every block is free at the end; and an engine given
+    the pool adds no device memory (with a pool of its own it added one)."""
+    from acache_jax.engine.pool import PagedPool
+
+    live_bytes = lambda: sum(a.nbytes for a in jax.live_arrays())
+    configs = [DecodeConfig(gen_length=16, block_length=8, cache=cache, **extra) for cache, extra in
+               (("acache", dict(anchor_ratio=0.3, temperature=0.7)), ("direct", dict(threshold=None, steps=8)))]
+    pool = PagedPool.create(model, 200, 8)  # the size of the parity test's engines: the same programs
+    before = live_bytes()
+    engines = [Engine(model, cfg, max_batch=2, pool=pool, **FIXED) for cfg in configs]
+    assert live_bytes() - before < 0.1 * sum(a.nbytes for a in jax.tree.leaves(pool.kv))
+    ids = [[e.add(r, AFFIX) for r in REQUESTS] for e in engines]
+    got: list[dict] = [{}, {}]
+    while any(e.has_unfinished() for e in engines):
+        for e, done in zip(engines, got):
+            if e.has_unfinished():
+                done.update((r.request_id, r) for r in e.step())
+    for e, cfg, rids, done in zip(engines, configs, ids, got):
+        static = generate(model, REQUESTS, cfg, affix=AFFIX)
+        for i, rid in enumerate(rids):
+            assert done[rid].tokens.tolist() == static.tokens[i].tolist(), (cfg.cache, i)
+            assert done[rid].anchors.tolist() == static.anchors[i].tolist() and done[rid].nfe == static.nfe[i]
+        e.drain()
+    assert [e.stats.affix_fills for e in engines] == [1, 0]  # the second found it resident
+    assert pool.blocks.num_free_blocks == pool.blocks.num_blocks
+    with pytest.raises(DecodeError, match="not to be given with `pool`"):
+        Engine(model, configs[0], pool=pool, pool_tokens=200)
+
+
 def test_no_recompilation_in_steady_state(fixtures_dir):
     model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
     cfg = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.2)

@@ -1,8 +1,8 @@
 """What the server sizes from the device memory the weights leave, what it refuses at start, and a
-SIGTERM during its warm-up.
+SIGTERM during its warm-up; and that the engines share that one pool.
 
-`cli.serve_context` picks the request context (the server's max-model-len, which sizes each
-engine's KV pool and its fixed read widths) from the memory free after loading; a CPU does not say
+`cli.serve_context` picks the request context (the server's max-model-len, which sizes the one KV
+pool every engine runs in, and their fixed read widths) from the memory free after loading; a CPU does not say
 what it has free, so the budgets here are pretend ones, given to that function (and once to the
 command line in place of its `free_device_bytes`). The shapes are the real models': Dream-7B's
 context of 131072 tokens at 56 KiB of K/V a token is what ran an H200 out of memory.
@@ -126,3 +126,106 @@ def test_min_affix_reuse_is_a_non_negative_count_of_affix_tokens_times_blocks(ca
     with pytest.raises(SystemExit) as e:
         cli.parser().parse_args(["--min-affix-reuse", "-1"])
     assert e.value.code == 2 and "--min-affix-reuse" in capsys.readouterr().err
+
+
+def test_every_engine_runs_in_the_one_pool_and_a_failed_step_frees_what_it_held():
+    """The server's engines (one per decoding setting) run in its one KV pool, the one
+    `serve_context` sized: a request with other knobs adds an engine and no K/V memory (before,
+    each engine made a pool of its own: at 8B on an H200 a second setting asked for a second ~44
+    GB). A step that fails answers its own requests 500 and frees their blocks while the others
+    finish; a failure after the step took the pool's arrays (they are donated) loses every
+    request's K/V, so all are answered 500 and the next request gets a new pool. The worker runs
+    in this process (its thread), on the shipped model."""
+    import queue
+    import threading
+
+    import jax
+
+    import acache_jax
+    from acache_jax.cli import DEFAULT_MODEL
+    from acache_jax.serve import protocol
+    from acache_jax.serve.worker import Settings, Worker
+
+    model = acache_jax.load(DEFAULT_MODEL)
+    base = model.decode_config(block_length=8, gen_length=8, cache="acache", early_stop=False)
+    live_bytes = lambda: sum(a.nbytes for a in jax.live_arrays())
+    before = live_bytes()
+    worker = Worker(model, Settings(max_batch=4, max_engines=3, discovery=False, finish_early=False,
+                                    default_engine=protocol.engine_config(base)))
+
+    def submit(max_tokens: int = 8, **knobs) -> queue.Queue:
+        events: queue.Queue = queue.Queue()
+        body = {"prompt": "Mary went to the office.", "max_tokens": max_tokens, **knobs}
+        worker.submit(protocol.parse(body, model, base, "m", chat=False), events.put)
+        return events
+
+    def outcome(events: queue.Queue) -> tuple[str, object]:
+        while True:
+            kind, value = events.get(timeout=120)
+            if kind != "text":
+                return kind, value
+
+    def gated(engine, gate: threading.Event) -> None:
+        """The engine's next step waits for `gate`: a job submitted meanwhile is taken in right after it."""
+        run = engine.runner.run
+        engine.runner.run = lambda plan: (gate.wait(60), run(plan))[1]
+
+    def settle() -> dict[str, float]:
+        deadline = time.time() + 60
+        while worker.snapshot["requests_running"] + worker.snapshot["requests_waiting"] or worker.inflight:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        return worker.snapshot
+
+    try:
+        answers = [outcome(e) for e in [submit(), submit(cache="dual"), submit(temperature=0.5)]]
+        assert [kind for kind, _ in answers] == ["done"] * 3, answers
+        pool = worker.pool
+        assert len(worker.engines) == 3 and all(e.runner.paged is pool for e in worker.engines.values())
+        pool_bytes = sum(a.nbytes for a in jax.tree.leaves(pool.kv))
+        assert live_bytes() - before < 1.5 * pool_bytes  # one pool (and a few small arrays), not three
+        assert settle()["pool_blocks_capacity"] == pool.blocks.num_blocks
+
+        # a failing step, the pool intact: its request fails, the other engine's finishes
+        dual = next(e for k, e in worker.engines.items() if k.cache == "dual")
+        gate = threading.Event()
+        gated(worker.engines[protocol.engine_config(base)], gate)
+        running = submit(max_tokens=32)
+        while worker.snapshot["requests_waiting"] + worker.snapshot["requests_running"] == 0:  # taken in
+            time.sleep(0.01)
+
+        def fail(plan):
+            raise RuntimeError("a staged failure")
+        dual.runner.run = fail
+        failing = submit(cache="dual")
+        time.sleep(0.2)  # taken in once the gated step returns
+        gate.set()
+        (kind, error), (ran, answer) = outcome(failing), outcome(running)
+        assert kind == "error" and error.status == 500 and "a staged failure" in error.message
+        assert ran == "done" and answer.extra["nfe"] >= 4  # its 4 blocks
+        m = settle()
+        assert m["pool_blocks_used"] == 0 and m["engines"] == 2 and worker.pool is pool
+
+        # a failure that took the pool's arrays with it: every request fails, a new pool follows
+        hot = next(e for k, e in worker.engines.items() if k.temperature)
+        gate = threading.Event()
+        gated(hot, gate)
+        running = submit(max_tokens=32, temperature=0.5)
+        while worker.snapshot["requests_waiting"] + worker.snapshot["requests_running"] == 0:  # taken in
+            time.sleep(0.01)
+
+        def lose(plan):
+            for a in jax.tree.leaves(pool.kv):
+                a.delete()
+            raise RuntimeError("a staged failure after the pool went in")
+        worker.engines[protocol.engine_config(base)].runner.run = lose
+        failing = submit()
+        time.sleep(0.2)
+        gate.set()
+        for kind, error in (outcome(failing), outcome(running)):
+            assert kind == "error" and error.status == 500, (kind, error)
+        assert settle()["engines"] == 0 and worker.pool is None
+        assert outcome(submit())[0] == "done" and worker.pool is not None and worker.pool is not pool
+        assert settle()["pool_blocks_used"] == 0
+    finally:
+        worker.stop()

@@ -24,7 +24,7 @@ import numpy as np
 
 from acache_jax.decoding.acache import DEVIATION_SELECTORS, PROBE_SIGN, AffixCache, check_affix_cache
 from acache_jax.decoding.layout import Request, check_affix, check_context, check_request, round_up
-from acache_jax.engine.block_manager import BlockManager
+from acache_jax.engine.pool import BLOCK_SIZE, PagedPool
 from acache_jax.engine.runner import Observer, Runner
 from acache_jax.engine.scheduler import Plan, Scheduler, StepOutput
 from acache_jax.engine.sequence import SequenceState
@@ -42,7 +42,6 @@ ENGINE_SELECTORS = (*PROBE_SIGN, *DEVIATION_SELECTORS)  # all but random: a prob
 # card, which ran the case at XLA's default memory fraction with this bound (about 5.4 GiB by that
 # rate; docs/BENCHMARKS.md, "Seventh run"). Steps of a few requests stay below it.
 DEFAULT_STEP_TOKENS = 16_384
-BLOCK_SIZE = 16  # slots of a pool block, by default
 
 
 def default_pool_tokens(config: DecodeConfig, max_batch: int, context: int, block_size: int = BLOCK_SIZE) -> int:
@@ -149,12 +148,16 @@ class Engine:
     probe costs about what recomputing 400-600 affix tokens does, so a short affix over one block
     saves less than it costs (docs/BENCHMARKS.md, "Twelfth run"). Default 0: every request with an
     affix runs ACache. Outputs of the others do not change.
+    pool: a `PagedPool` to run in, shared with other engines stepped from the same thread (a
+    server's, one per decoding setting: the device then holds one pool); default: a pool of its
+    own of `pool_tokens` slots in blocks of `block_size` (not to be given with `pool`).
     """
 
     def __init__(self, model: Model, config: DecodeConfig | None = None, *, pool_tokens: int | None = None,
-                 block_size: int = BLOCK_SIZE, max_batch: int = 16, observer: Observer | None = None,
+                 block_size: int | None = None, max_batch: int = 16, observer: Observer | None = None,
                  fixed_shapes: bool = False, context: int | None = None,
-                 max_step_tokens: int | None = DEFAULT_STEP_TOKENS, min_affix_reuse: int = 0):
+                 max_step_tokens: int | None = DEFAULT_STEP_TOKENS, min_affix_reuse: int = 0,
+                 pool: PagedPool | None = None):
         config = resolve_decode_config(config, model.generation_config)
         for name, value in (("pool_tokens", pool_tokens), ("block_size", block_size), ("max_batch", max_batch),
                             ("context", context), ("max_step_tokens", max_step_tokens)):
@@ -164,18 +167,22 @@ class Engine:
             raise DecodeError(f"min_affix_reuse must be a non-negative integer, got {min_affix_reuse!r}")
         if context is not None and context > model.config.max_seq_len:
             raise DecodeError(f"context {context} exceeds the model's context of {model.config.max_seq_len} tokens")
+        if pool is not None and (pool_tokens is not None or block_size is not None):
+            raise DecodeError("pool_tokens and block_size size an engine's own pool: not to be given with `pool`")
         check_engine_config(config)
         self.model, self.config = model, config
         self.policy = ENGINE_POLICIES[config.cache]
         self.min_affix_reuse = min_affix_reuse if config.selective else 0  # no probe to pay for without anchors
         self.context = context or model.config.max_seq_len
-        pool_tokens = pool_tokens or default_pool_tokens(config, max_batch, self.context, block_size)
-        num_blocks = -(-pool_tokens // block_size)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        if pool is None:
+            block_size = block_size or BLOCK_SIZE
+            pool_tokens = pool_tokens or default_pool_tokens(config, max_batch, self.context, block_size)
+            pool = PagedPool.create(model, pool_tokens, block_size)
+        self.block_manager = pool.blocks
         self.scheduler = Scheduler(self.block_manager, max_batch, max_step_tokens)
-        self.runner = Runner(model, config, num_blocks * block_size, max_batch, self.context, observer, fixed_shapes)
+        self.runner = Runner(model, config, pool, max_batch, self.context, observer, fixed_shapes)
         self.stats = EngineStats()
-        self._block_bytes = block_size * KVPool.slot_bytes(model.config, model.dtype)
+        self._block_bytes = self.block_manager.block_size * KVPool.slot_bytes(model.config, model.dtype)
         self._mask_id = model.config.mask_token_id
         self._eos = model.config.eos_token_id if config.early_stop else None  # a block all of it ends a request
         self._live: dict[int, SequenceState] = {}  # queued and running requests

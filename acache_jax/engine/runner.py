@@ -34,6 +34,7 @@ import numpy as np
 from acache_jax.decoding.acache import DEVIATION_SELECTORS, PROBE_SIGN, Ranking, affix_deviation, anchor_ranking
 from acache_jax.decoding.layout import bucket, round_up, row_bucket, token_bucket
 from acache_jax.decoding.sampling import Commits, SamplerConfig, SamplerValues
+from acache_jax.engine.pool import PagedPool
 from acache_jax.engine.scheduler import Plan, StepOutput, Work
 from acache_jax.engine.sequence import SequenceState
 from acache_jax.network.attention import resolve_backend
@@ -255,15 +256,15 @@ class Observer(Protocol):
 
 
 class Runner:
-    """Owns the pool; turns plans into device inputs and runs them (see the module docstring)."""
+    """Runs in a pool's arrays; turns plans into device inputs and runs them (see the module docstring)."""
 
-    def __init__(self, model: Any, config: DecodeConfig, num_slots: int, max_batch: int, context: int,
+    def __init__(self, model: Any, config: DecodeConfig, pool: PagedPool, max_batch: int, context: int,
                  observer: Observer | None = None, fixed_shapes: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
         self.program_config = config.program_key()  # the jitted steps' static config
         self.sampler = SamplerValues.of(config)  # and their traced numbers
         self.structure, self.params = model.flat
-        self.pool = KVPool.zeros(model.config, num_slots, model.dtype, model.mesh)
+        self.paged = pool  # its `kv` arrays: `pool`, replaced by every call that writes them
         group = model.config.num_heads // model.config.num_kv_heads
         self.tile_tokens = max(1, TILE_ROWS // (1 << (group - 1).bit_length()))
         if resolve_backend(config.attn_backend, model.config.head_dim) == "xla":
@@ -281,6 +282,14 @@ class Runner:
         # per read set (private, shared): wide enough for every request queued so far
         self.read_widths = [width, width if config.selective else 0] if fixed_shapes else [0, 0]
         self._token_axes: dict[tuple, list[int]] = {}  # token axes run, per (read widths, probing)
+
+    @property
+    def pool(self) -> KVPool:
+        return self.paged.kv
+
+    @pool.setter
+    def pool(self, kv: KVPool) -> None:
+        self.paged.kv = kv
 
     def _fill_affix(self, affix: AffixCache | list[int], slots: np.ndarray, work: Work) -> None:
         """Store an affix in its shared slots: a built cache as it is, ids computed here. The jitted

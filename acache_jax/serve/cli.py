@@ -2,8 +2,8 @@
 
 Decoding settings start from the model's generation_config.json, then these flags, then each
 request's knobs. The server defaults to ACache (`--cache acache`) with early stop, and discovers
-shared spans unless `--no-discovery`. Each engine's KV pool holds `--max-batch` requests of
-`--max-model-len` tokens, a length chosen to fit the device memory the weights leave unless given
+shared spans unless `--no-discovery`. The one KV pool every engine runs in holds `--max-batch`
+requests of `--max-model-len` tokens, a length chosen to fit the device memory the weights leave unless given
 (`serve_context`). SIGTERM or Ctrl-C: no new requests are accepted, running ones get
 `--shutdown-timeout` seconds to finish, the rest are answered 503 (a stream: an error event and
 `[DONE]`); every KV slot is freed. Exit status: 0 when every request finished, 3 when the shutdown
@@ -75,8 +75,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=ATTENTION_BACKENDS, help="attention backend (default: pallas on a GPU)")
     p.add_argument("--max-batch", type=positive, default=16, help="requests decoded together per engine")
     p.add_argument("--pool-tokens", type=positive,
-                   help="KV pool per engine in tokens (default: --max-batch x --max-model-len; at --max-batch 1, "
-                        "room for a request's anchors too)")
+                   help="the KV pool, which every engine shares, in tokens (default: --max-batch x --max-model-len; "
+                        "at --max-batch 1, room for a request's anchors too)")
     p.add_argument("--max-engines", type=positive, default=4, help="distinct decoding settings served at once")
     p.add_argument("--max-queue", type=positive, default=256, help="requests queued or running; more get 429")
     p.add_argument("--no-discovery", dest="discovery", action="store_false", help="serve declared affixes only")
@@ -143,8 +143,8 @@ def serve_context(model_context: int, max_batch: int, token_bytes: int, free_byt
                   config: DecodeConfig, max_model_len: int | None = None, pool_tokens: int | None = None
                   ) -> tuple[int, str | None]:
     """(the context requests get, the server's max-model-len; a line saying why, when it is below
-    the model's and no flag set it), so that an engine's KV pool (`token_bytes` a token) fits in
-    half of `free_bytes`, the device memory free after the weights (None: not known, nothing is
+    the model's and no flag set it), so that the KV pool (`token_bytes` a token; every engine runs
+    in it) fits in half of `free_bytes`, the device memory free after the weights (None: not known, nothing is
     checked); the other half is for activations (a step of --warmup-tokens tokens) and compiled
     programs. The default engine's pool (`default_pool_tokens` of its `config`) is max_batch
     requests of that context: the model's, unless that would not fit (Dream's 131072 tokens x 16

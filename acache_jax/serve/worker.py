@@ -4,7 +4,9 @@ sends it commands and reads the events it sends back.
 Requests with equal decoding knobs share one `Engine` (one `DecodeConfig`; engines whose knobs
 differ only in the sampler's numbers share compiled programs, `DecodeConfig.program_key`); a
 request with other knobs gets an engine of its own, at most `max_engines` at
-once (an idle one is dropped for a new one; if none is idle the request is refused with 429). With
+once (an idle one is dropped for a new one; if none is idle the request is refused with 429).
+Every engine runs in one KV pool (`PagedPool`), so the device holds one pool however many
+settings are running, the one the server's memory check sized. With
 `default_engine` set and room for two engines, one place is kept for the server's default
 settings and their engine is never dropped: a request with the defaults is never refused for
 want of an engine, so a 429 can honestly tell other requests to use the defaults. The
@@ -18,6 +20,7 @@ its own, a request is run against the longest span discovery found in it (`affix
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import queue
 import sys
@@ -29,7 +32,8 @@ from typing import Any
 
 from acache_jax.decoding.acache import build_affix_cache
 from acache_jax.engine import Engine
-from acache_jax.engine.engine import DEFAULT_STEP_TOKENS
+from acache_jax.engine.engine import DEFAULT_STEP_TOKENS, default_pool_tokens
+from acache_jax.engine.pool import PagedPool
 from acache_jax.network.config import DecodeConfig, InputError
 from acache_jax.network.model import Model
 from acache_jax.serve.affix_index import AffixStore, SpanIndex
@@ -43,7 +47,7 @@ class Settings:
     """The server's engine and discovery flags."""
 
     max_batch: int = 16
-    pool_tokens: int | None = None  # per engine (default `default_pool_tokens`)
+    pool_tokens: int | None = None  # the one pool's (default `default_pool_tokens` of the first engine's knobs)
     context: int | None = None  # prompt + generated tokens of a request (default the model's context)
     max_engines: int = 4
     max_queue: int = 256  # requests queued or running, over every engine
@@ -84,6 +88,7 @@ class Worker:
         self.index = SpanIndex(settings.min_count, settings.min_tokens)
         self.store = AffixStore(settings.affix_budget_bytes)
         self.engines: OrderedDict[DecodeConfig, Engine] = OrderedDict()
+        self.pool: PagedPool | None = None  # every engine's, made with the first
         self._inbox: queue.Queue[tuple] = queue.Queue()
         self._live: dict[str, _Live] = {}  # by job id
         self._lock = threading.Lock()
@@ -221,12 +226,17 @@ class Worker:
                         raise ApiError(429, f"{len(others)} other distinct decoding settings are running, the "
                                             f"limit (--max-engines {limit}){advice}", code="too_many_settings",
                                        headers={"Retry-After": "1"})
-                    del self.engines[idle]
+                    self.engines.pop(idle).drain()  # its last finished requests' affixes leave the pool
             s = self.settings
+            if self.pool is None:
+                context = s.context or self.model.config.max_seq_len
+                tokens = s.pool_tokens or default_pool_tokens(s.default_engine or config, s.max_batch, context)
+                self.pool = PagedPool.create(self.model, tokens)
             bound = s.max_step_tokens or s.warmup_tokens or DEFAULT_STEP_TOKENS
-            engine = self.engines[config] = Engine(self.model, config, pool_tokens=s.pool_tokens, max_batch=s.max_batch,
+            engine = self.engines[config] = Engine(self.model, config, max_batch=s.max_batch,
                                                    fixed_shapes=s.warmup_tokens > 0, context=s.context,
-                                                   max_step_tokens=bound, min_affix_reuse=s.min_affix_reuse)
+                                                   max_step_tokens=bound, min_affix_reuse=s.min_affix_reuse,
+                                                   pool=self.pool)
         self.engines.move_to_end(config)
         return engine
 
@@ -267,11 +277,21 @@ class Worker:
             results = engine.step()
         except Exception as e:  # fail this engine's requests, keep serving the others
             print(f"acache_jax.serve: engine step failed: {e!r}", file=sys.stderr, flush=True)
-            for live in [l for l in self._live.values() if l.engine == key]:
+            # The pool's arrays go into each step (donated): a step that failed after taking them
+            # leaves none, and every engine's requests lose their K/V with them.
+            lost = self.pool is not None and not self.pool.alive
+            for live in [l for l in self._live.values() if lost or l.engine == key]:
+                # its blocks go back to the pool (a failure inside postprocess may leave some unfreed)
+                with contextlib.suppress(Exception):
+                    self.engines[live.engine].cancel(live.rid)
                 self._end(live)
                 self.counters["failed"] += 1
                 live.emit(("error", ApiError(500, f"internal error: {type(e).__name__}: {e}")))
-            del self.engines[key]
+            for dropped in list(self.engines) if lost else [key]:
+                with contextlib.suppress(Exception):
+                    self.engines.pop(dropped).drain()
+            if lost:
+                self.pool = None  # the next engine makes a new one
             return
         by_rid = {l.rid: l for l in self._live.values() if l.engine == key}
         for res in results:
@@ -342,13 +362,15 @@ class Worker:
         self._publish()
         used = self.snapshot["pool_blocks_used"]
         print(f"acache_jax.serve: stopped; {used:.0f} KV blocks left allocated", file=sys.stderr, flush=True)
-        self.engines.clear()  # their pools' device memory goes with them (a process may start another server)
+        self.engines.clear()
+        self.pool = None  # its device memory goes with it (a process may start another server)
         self.store.drop_unheld()
 
     def _publish(self) -> None:
         """Numbers for /metrics, replaced whole (the HTTP side reads it without a lock)."""
         engines = list(self.engines.values())
         usage = [e.usage() for e in engines]
+        blocks = None if self.pool is None else self.pool.blocks
         snap = {f"requests_{k}_total": float(self.counters[k]) for k in
                 ("finished", "cancelled", "failed", "rejected", "answered_early")}
         snap |= {f"{k}_total": float(self.counters[k]) for k in ("prompt_tokens", "cached_tokens", "completion_tokens")}
@@ -356,8 +378,8 @@ class Worker:
                  "affix_builds_declared_total": float(self.counters["affix_builds_declared"]),
                  "requests_running": float(sum(u.running for u in usage)),
                  "requests_waiting": float(sum(u.waiting for u in usage)),
-                 "pool_blocks_used": float(sum(u.blocks_in_use for u in usage)),
-                 "pool_blocks_capacity": float(sum(u.blocks for u in usage)),
+                 "pool_blocks_used": float(blocks.num_blocks - blocks.num_free_blocks if blocks else 0),
+                 "pool_blocks_capacity": float(blocks.num_blocks if blocks else 0),
                  "engines": float(len(engines)),
                  "engine_iterations_total": float(self.counters["engine_iterations"]),
                  "affix_caches": float(len(self.store)), "affix_cache_bytes": float(self.store.nbytes),
