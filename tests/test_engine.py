@@ -157,6 +157,27 @@ def test_engines_that_differ_only_in_sampler_numbers_share_programs(fixtures_dir
     assert [r.tokens.tolist() for r in results] == [t.tolist() for t in static.tokens]
 
 
+@pytest.mark.parametrize("model", ["llada", "dream"], indirect=True)
+def test_requests_with_their_own_sampler_numbers_share_one_engine(model):
+    """Requests whose configs differ from the engine's only in the sampler's numbers and the anchor
+    ratios run side by side in one engine (a server's, for every temperature of one rule), each
+    committing with its own numbers: each gives the static path's tokens, anchors and NFE under its
+    own config. A config that needs other programs (temperature 0: no sampling) is refused."""
+    base = DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.3, temperature=0.7)
+    own = [base, base.replace(temperature=0.3), base.replace(temperature=1.5, threshold=0.6),
+           base.replace(anchor_ratio=0.2), base.replace(temperature=0.9, threshold=0.8)]
+    engine = Engine(model, base, pool_tokens=200, block_size=8, max_batch=2, **FIXED)  # the parity test's programs
+    ids = [engine.add(r, AFFIX, config=c) for r, c in zip(REQUESTS, own)]
+    results = {r.request_id: r for r in engine.run()}
+    for i, (rid, cfg) in enumerate(zip(ids, own)):
+        static = generate(model, REQUESTS, cfg, affix=AFFIX)  # all five: the parity test's batch shape
+        assert results[rid].tokens.tolist() == static.tokens[i].tolist(), i
+        assert results[rid].anchors.tolist() == static.anchors[i].tolist() and results[rid].nfe == static.nfe[i]
+    assert len({tuple(r.tokens.tolist()) for r in results.values()}) > 1
+    with pytest.raises(DecodeError, match=r"differs in \['temperature'\]"):
+        engine.add(REQUESTS[0], AFFIX, config=base.replace(temperature=0.0))
+
+
 def test_a_warmed_up_engine_compiles_no_step(fixtures_dir, caplog):
     """With fixed shapes, `warm_up` compiles every packed step and block loop beforehand (a server
     starting): serving then compiles only the affix fill, and the tokens are the static path's."""

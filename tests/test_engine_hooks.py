@@ -95,7 +95,7 @@ def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
 
 def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
     """`serve --warmup-tokens`: the worker compiles, before any request, the engine that a request
-    with the server's default knobs runs on (its key holds one block, not the default gen length),
+    with the server's default knobs runs on (its config holds one block, not the default gen length),
     so serving it compiles no packed step or block loop; its steps are bounded to that many tokens."""
     from acache_jax.generate import DEFAULT_MODEL
     from acache_jax.serve.protocol import engine_config, parse
@@ -118,8 +118,9 @@ def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
         assert event[0] == "done", event
         compiled = {r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")}
         assert not compiled & {"jit(packed_step)", "jit(block_loop)"}, compiled
-        assert list(worker.engines) == [engine_config(base)]
-        engine = worker.engines[engine_config(base)]
+        assert list(worker.engines) == [engine_config(base).program_key()]
+        engine = worker.engines[engine_config(base).program_key()]
+        assert engine.config == engine_config(base)
         assert engine.scheduler.max_step_tokens == 128  # steps stay warmed up
         assert engine.min_affix_reuse == 7
     finally:

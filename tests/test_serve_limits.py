@@ -178,8 +178,10 @@ def test_the_engine_knobs_are_taken_and_a_request_with_the_defaults_always_has_a
     could not be asked for), and each response says in `acache.settings` what it ran with: unset
     knobs at the server's defaults, max_tokens as run, in whole blocks. --max-engines 2: while that
     long request holds the one engine for other settings, a third setting gets 429 telling it to use
-    the defaults, and a request with the defaults runs. Before: a non-default request evicted the
-    idle default engine, and a request with the defaults then got 429 'use the defaults'."""
+    the defaults, and a request with the defaults runs, as does one that differs from them only in
+    its threshold (it runs on the defaults' engine with its own). Before: a non-default request
+    evicted the idle default engine, and a request with the defaults then got 429 'use the
+    defaults'; and a request with its own threshold needed an engine of its own."""
     url = server.url
     knobs = {"selector": "hkvd", "anchor_mass": 0.9, "anchor_min_ratio": 0.1, "anchor_ratio": 0.3}
     long = {"prompt": PROMPT, "affix": "Answer with one word.\n", "max_tokens": 250, **knobs}  # 8 blocks
@@ -189,12 +191,14 @@ def test_the_engine_knobs_are_taken_and_a_request_with_the_defaults_always_has_a
         while _metrics(url)["acache_requests_running"] == 0:  # admitted: its engine compiles, then steps
             assert time.time() < deadline
             time.sleep(0.1)
-        other = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "threshold": 0.7}, timeout=120)
+        other = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "temperature": 0.5}, timeout=120)
+        own = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "threshold": 0.7}, timeout=120)
         with httpx.stream("POST", url + "/v1/completions", json={"prompt": PROMPT, "stream": True}, timeout=120) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         ran = running.result()
     assert other.status_code == 429 and other.headers["retry-after"] == "1", other.text
     assert "leave the decoding knobs out" in other.json()["error"]["message"]
+    assert own.status_code == 200 and own.json()["acache"]["settings"]["threshold"] == 0.7, own.text
     assert "".join(c["choices"][0]["text"] for c in chunks) == "office", chunks
     default = chunks[-1]["acache"]["settings"]
     assert default["max_tokens"] == 32 and default["selector"] == "attention" and default["threshold"] == 0.9
@@ -212,7 +216,7 @@ def test_a_client_that_leaves_while_its_engine_compiles_cancels_its_request(serv
     url = server.url
     before = _metrics(url)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "threshold": 0.6}, timeout=1)
+        httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "cache": "dual"}, timeout=1)
     after = _settle(url)
     assert after["acache_requests_cancelled_total"] - before["acache_requests_cancelled_total"] == 1
     assert after["acache_requests_finished_total"] == before["acache_requests_finished_total"]

@@ -132,8 +132,8 @@ def test_every_engine_runs_in_the_one_pool_and_a_failed_step_frees_what_it_held(
     """The server's engines (one per decoding setting) run in its one KV pool, the one
     `serve_context` sized: a request with other knobs adds an engine and no K/V memory (before,
     each engine made a pool of its own: at 8B on an H200 a second setting asked for a second ~44
-    GB). A step that fails answers its own requests 500 and frees their blocks while the others
-    finish; a failure after the step took the pool's arrays (they are donated) loses every
+    GB), and requests that differ only in the sampler's numbers share one engine. A step that fails
+    answers its own requests 500 and frees their blocks while the others finish; a failure after the step took the pool's arrays (they are donated) loses every
     request's K/V, so all are answered 500 and the next request gets a new pool. The worker runs
     in this process (its thread), on the shipped model."""
     import queue
@@ -178,8 +178,9 @@ def test_every_engine_runs_in_the_one_pool_and_a_failed_step_frees_what_it_held(
         return worker.snapshot
 
     try:
-        answers = [outcome(e) for e in [submit(), submit(cache="dual"), submit(temperature=0.5)]]
-        assert [kind for kind, _ in answers] == ["done"] * 3, answers
+        answers = [outcome(e) for e in [submit(), submit(cache="dual"), submit(temperature=0.5),
+                                        submit(temperature=0.8, threshold=0.7)]]
+        assert [kind for kind, _ in answers] == ["done"] * 4, answers
         pool = worker.pool
         assert len(worker.engines) == 3 and all(e.runner.paged is pool for e in worker.engines.values())
         pool_bytes = sum(a.nbytes for a in jax.tree.leaves(pool.kv))
@@ -189,7 +190,7 @@ def test_every_engine_runs_in_the_one_pool_and_a_failed_step_frees_what_it_held(
         # a failing step, the pool intact: its request fails, the other engine's finishes
         dual = next(e for k, e in worker.engines.items() if k.cache == "dual")
         gate = threading.Event()
-        gated(worker.engines[protocol.engine_config(base)], gate)
+        gated(worker.engines[protocol.engine_config(base).program_key()], gate)
         running = submit(max_tokens=32)
         while worker.snapshot["requests_waiting"] + worker.snapshot["requests_running"] == 0:  # taken in
             time.sleep(0.01)
@@ -218,7 +219,7 @@ def test_every_engine_runs_in_the_one_pool_and_a_failed_step_frees_what_it_held(
             for a in jax.tree.leaves(pool.kv):
                 a.delete()
             raise RuntimeError("a staged failure after the pool went in")
-        worker.engines[protocol.engine_config(base)].runner.run = lose
+        worker.engines[protocol.engine_config(base).program_key()].runner.run = lose
         failing = submit()
         time.sleep(0.2)
         gate.set()

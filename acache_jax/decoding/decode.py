@@ -92,14 +92,16 @@ def _decode(structure: Structure, params: list[jax.Array], batch: Batch, cfg: De
             logits = uncond + (cfg.cfg_scale + 1) * (cond - uncond)
         return logits, out.pool
 
-    scfg = SamplerConfig.of(cfg, mcfg, sampler)
+    scfg = SamplerConfig.of(cfg, mcfg)
+    numbers = SamplerValues.of(cfg) if sampler is None else sampler  # every row's
+    numbers = jax.tree.map(lambda v: jnp.full((b,), v, jnp.float32), numbers)
 
     def commit(x, s, logits, step, nfe, masked_at_start, block_start: bool):
         """x after one commit on its block at column s, and the rows' forward counts."""
         rows_of = lambda value: jnp.full((b,), value)
         block = jax.lax.dynamic_slice_in_dim(x, s, bl, axis=1)
         after = Commits(block, batch.seeds, nfe, rows_of(step), masked_at_start, rows_of(block_start),
-                        rows_of(True)).commit(logits, scfg, cfg.steps_per_block)
+                        rows_of(True), numbers).commit(logits, scfg, cfg.steps_per_block)
         return jax.lax.dynamic_update_slice_in_dim(x, after.block, s, axis=1), after.nfe
 
     window = t - g0  # prefix policy: from the block start to the end, padded on the right

@@ -26,9 +26,10 @@ NEG_INF = -jnp.inf
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplerValues:
-    """The sampler's numbers (`SAMPLER_VALUES`) as float32 scalars that compiled programs take
-    traced: configs that differ only in them share programs, whose static config keeps only which
-    rules apply (`DecodeConfig.program_key`). An unset number (None) is 0, and unused."""
+    """The sampler's numbers (`SAMPLER_VALUES`) as float32 scalars, or per row [R], that compiled
+    programs take traced: configs that differ only in them share programs, whose static config
+    keeps only which rules apply (`DecodeConfig.program_key`), and the engine's rows each commit
+    with their own request's numbers. An unset number (None) is 0, and unused."""
 
     temperature: jax.Array
     threshold: jax.Array
@@ -41,12 +42,19 @@ class SamplerValues:
         number = lambda value: np.float32(0.0 if value is None else value)
         return cls(**{name: number(getattr(cfg, name)) for name in SAMPLER_VALUES})
 
+    @classmethod
+    def rows(cls, values: list[SamplerValues], n: int, fill: SamplerValues) -> SamplerValues:
+        """Per-row numbers [n] (host numpy) of rows with these scalar numbers, then rows of `fill`."""
+        column = lambda name: np.asarray([getattr(v, name) for v in values] + [getattr(fill, name)] * (n - len(values)),
+                                         np.float32)
+        return cls(**{name: column(name) for name in SAMPLER_VALUES})
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerConfig:
     """How tokens are proposed and which are committed at each step. Its numbers select the rules;
-    where `values` is set (inside compiled programs, built from a program key) the rules compute
-    with those instead (`value`)."""
+    where `values` is set (a commit inside a compiled program, built from a program key: each row's
+    numbers, `Commits.sampler`) the rules compute with those instead (`value`)."""
 
     family: Family
     mask_token_id: int
@@ -62,16 +70,19 @@ class SamplerConfig:
     values: SamplerValues | None = None
 
     @classmethod
-    def of(cls, cfg: DecodeConfig, mcfg: ModelConfig, values: SamplerValues | None = None) -> SamplerConfig:
-        """The sampler settings of decoding settings `cfg` for a model of config `mcfg` (computing with
-        `values` where given: `cfg` is then a program key)."""
+    def of(cls, cfg: DecodeConfig, mcfg: ModelConfig) -> SamplerConfig:
+        """The sampler settings of decoding settings `cfg` for a model of config `mcfg`."""
         return cls(family=mcfg.family, mask_token_id=mcfg.mask_token_id, temperature=cfg.temperature,
                    threshold=cfg.threshold, factor=cfg.factor, remasking=cfg.remasking, alg=cfg.alg,
-                   alg_temp=cfg.alg_temp, top_p=cfg.top_p, top_k=cfg.top_k, values=values)
+                   alg_temp=cfg.alg_temp, top_p=cfg.top_p, top_k=cfg.top_k)
 
-    def value(self, name: str) -> float | jax.Array:
-        """The number `name` of `SAMPLER_VALUES` a rule computes with."""
-        return getattr(self if self.values is None else self.values, name)
+    def value(self, name: str, like: jax.Array) -> float | jax.Array:
+        """The number `name` of `SAMPLER_VALUES` a rule computes with, shaped to broadcast against
+        `like` (rows first) where it is one per row."""
+        value = getattr(self if self.values is None else self.values, name)
+        if getattr(value, "ndim", 0) == 1:
+            value = value.reshape(value.shape + (1,) * (like.ndim - 1))
+        return value
 
 
 def _gumbel(key: jax.Array, shape) -> jax.Array:
@@ -100,7 +111,7 @@ def propose(logits: jax.Array, keys: jax.Array, cfg: SamplerConfig) -> tuple[jax
         noisy = logits + never_mask
         if cfg.temperature > 0:  # upstream: exp(l) / (-log u)^T, i.e. argmax of l + T * gumbel
             g = jax.vmap(lambda k: _gumbel(k, (n, v)))(_row_keys(keys, 1))
-            noisy = noisy + cfg.value("temperature") * g
+            noisy = noisy + cfg.value("temperature", g) * g
         x0 = jnp.argmax(noisy, axis=-1).astype(jnp.int32)
         if cfg.remasking == "low_confidence":
             picked = jnp.take_along_axis(logits, x0[..., None], axis=-1)[..., 0]
@@ -112,9 +123,9 @@ def propose(logits: jax.Array, keys: jax.Array, cfg: SamplerConfig) -> tuple[jax
         return x0, conf
     # Dream's sample_tokens
     if cfg.temperature > 0:
-        logits = logits / cfg.value("temperature")
+        logits = logits / cfg.value("temperature", logits)
     if cfg.top_p is not None and cfg.top_p < 1:
-        logits = _top_p(logits, cfg.value("top_p"))
+        logits = _top_p(logits, cfg.value("top_p", logits))
     if cfg.top_k is not None:
         kth = jax.lax.top_k(logits, min(cfg.top_k, v))[0][..., -1:]
         logits = jnp.where(logits < kth, jnp.finfo(jnp.float32).min, logits)
@@ -201,7 +212,7 @@ def dream_schedule_commit(
     k = jnp.where(last, n, jnp.floor(n * (1 - s / t)).astype(n.dtype))
     if cfg.alg_temp > 0:  # sampling without replacement = top-k of perturbed log-weights
         g = jax.vmap(lambda key: _gumbel(key, (masked.shape[-1],)))(_row_keys(keys, 5))
-        conf = conf / cfg.value("alg_temp") + g
+        conf = conf / cfg.value("alg_temp", conf) + g
     return top_k_commit(conf, masked, k)
 
 
@@ -218,9 +229,9 @@ def commit_block(block: jax.Array, logits: jax.Array, step: jax.Array, keys: jax
     x0, conf = propose(logits, keys, cfg)
     step = jnp.broadcast_to(step, block.shape[:1])
     if cfg.factor is not None:
-        chosen = factor_commit(conf, masked, cfg.value("factor"))
+        chosen = factor_commit(conf, masked, cfg.value("factor", conf))
     elif cfg.threshold is not None:
-        chosen = threshold_commit(conf, masked, cfg.value("threshold"))
+        chosen = threshold_commit(conf, masked, cfg.value("threshold", conf))
     elif cfg.family == "llada":
         k = jnp.take_along_axis(sched, jnp.minimum(step, sched.shape[1] - 1)[:, None], axis=1)[:, 0]
         chosen = top_k_commit(conf, masked, k)
@@ -246,10 +257,12 @@ class Commits:
     masked_at_start: jax.Array  # masks in the block at its start (LLaDA's fixed schedule)
     block_start: jax.Array  # [R] bool: commits from its block-start forward
     active: jax.Array  # [R] bool
+    sampler: SamplerValues  # [R] each: the row's request's numbers (its config's; `cfg` keeps the rules)
 
     def commit(self, logits: jax.Array, cfg: SamplerConfig, steps_per_block: int) -> Commits:
         """The rows after one commit from their block logits [R, bl, V]; a row that had a mask
         counts the forward (nfe) and the step."""
+        cfg = dataclasses.replace(cfg, values=self.sampler)
         keys = step_keys(jax.vmap(jax.random.key)(self.seeds), self.nfe)
         masked0 = jnp.arange(self.block.shape[1])[None] < self.masked_at_start[:, None]
         sched = llada_schedule(masked0, steps_per_block)

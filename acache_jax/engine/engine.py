@@ -24,6 +24,7 @@ import numpy as np
 
 from acache_jax.decoding.acache import DEVIATION_SELECTORS, PROBE_SIGN, AffixCache, check_affix_cache
 from acache_jax.decoding.layout import Request, check_affix, check_context, check_request, round_up
+from acache_jax.decoding.sampling import SamplerValues
 from acache_jax.engine.pool import BLOCK_SIZE, PagedPool
 from acache_jax.engine.runner import Observer, Runner
 from acache_jax.engine.scheduler import Plan, Scheduler, StepOutput
@@ -192,16 +193,33 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------
 
     def add(self, request: Request, affix: Sequence[int] | AffixCache | None = None, *,
-            gen_length: int | None = None) -> int:
+            gen_length: int | None = None, config: DecodeConfig | None = None) -> int:
         """Queue a request (its affix, if any, as token ids or a built `AffixCache`); returns its id.
 
         gen_length: this request's own, a multiple of the block length (default the config's); it
         decodes as `generate` would with `request_config(gen_length)`: the same steps per block.
+        config: this request's own settings (default the engine's), which may differ from the
+        engine's only where they share programs (`DecodeConfig.program_key`): the sampler's numbers
+        (temperature, threshold, ...; each row commits with its own) and the anchor ratios; it
+        then decodes as `generate` with that config would. Its gen_length is not used.
         Under `acache` / `direct`, a request without an affix shares nothing: it owns and recomputes
         all its columns, exactly as under `dual`, so one engine serves requests with and without one.
         A request that cannot run raises `InputError` naming the problem, and nothing is queued.
         """
-        return self._queue(request, affix, *self._check(request, affix, gen_length))
+        return self._queue(request, affix, *self._check(request, affix, gen_length), self._own(config))
+
+    def _own(self, config: DecodeConfig | None) -> DecodeConfig:
+        """A request's own config, checked to run on this engine's programs."""
+        if config is None or config == self.config:
+            return self.config
+        key = lambda c: dataclasses.replace(c.program_key(), gen_length=c.block_length, steps=c.steps_per_block)
+        if key(config) != key(self.config):
+            ours, theirs = key(self.config), key(config)
+            differ = [f.name for f in dataclasses.fields(DecodeConfig)
+                      if getattr(ours, f.name) != getattr(theirs, f.name)]
+            raise DecodeError(f"a request's config may differ from its engine's only in the sampler's numbers and "
+                              f"the anchor ratios (the rules they select included); it differs in {differ}")
+        return config
 
     def _check(self, request: Request, affix: Sequence[int] | AffixCache | None, gen_length: int | None
                ) -> tuple[list[int] | None, int]:
@@ -219,12 +237,13 @@ class Engine:
         return affix_ids, gen_length
 
     def _queue(self, request: Request, affix: Sequence[int] | AffixCache | None, affix_ids: list[int] | None,
-               gen_length: int) -> int:
-        """Queue a checked request (`_check`'s results); returns its id."""
-        cfg, mcfg = self.config, self.model.config
+               gen_length: int, cfg: DecodeConfig) -> int:
+        """Queue a checked request (`_check`'s results, its own config `_own`); returns its id."""
+        mcfg = self.model.config
         policy = "baseline" if self.runs_as_dual(len(affix_ids or ()), gen_length) else self.policy
         seq = SequenceState.from_request(self._next_id, request, affix_ids, gen_length, cfg.block_length,
-                                         mcfg.mask_token_id, policy, affix if isinstance(affix, AffixCache) else None)
+                                         mcfg.mask_token_id, policy, affix if isinstance(affix, AffixCache) else None,
+                                         SamplerValues.of(cfg))
         self.scheduler.add(seq, cfg.anchors(seq.affix_len), cfg.min_anchors(seq.affix_len))
         self.runner.reserve(seq)
         self._live[seq.request_id] = seq
@@ -299,7 +318,7 @@ class Engine:
                 checked.append(self._check(r, affix, None))
             except InputError as e:
                 raise type(e)(f"request {i}: {e}") from None
-        ids = [self._queue(r, affix, *c) for r, c in zip(requests, checked)]
+        ids = [self._queue(r, affix, *c, self.config) for r, c in zip(requests, checked)]
         wanted, got = set(ids), {}
         while len(got) < len(wanted):
             for res in self.step():

@@ -73,21 +73,19 @@ class PackedStep:
     tile_segment: jax.Array  # [n_tiles]
     reads: tuple[ReadSet, ...]  # [S, N] each: the private rows, then (acache) the shared affix
     logit_index: jax.Array  # [S, bl] token indices of each segment's block (0 where it commits nothing)
-    commits: Commits  # [S]
+    commits: Commits  # [S], each with its request's sampler numbers (the program's config keeps only the rules)
     probe_weight: jax.Array | None  # [M] mask tokens of probed segments (None: no probe this step)
-    sampler: SamplerValues  # the sampler's numbers (the program's config keeps only its rules)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class BlockLoop:
     """The block loop's rows: which segments (S-1: padding), their block's write slots and
-    positions; and the sampler's numbers."""
+    positions."""
 
     rows: jax.Array  # [R]
     write_slots: jax.Array  # [R, bl]
     positions: jax.Array  # [R, bl]
-    sampler: SamplerValues
 
 
 class Packing(NamedTuple):
@@ -135,8 +133,7 @@ def packed_step(structure: Structure, cfg: DecodeConfig, packing: Packing, param
         score = PROBE_SIGN[cfg.selector] * out.probe
         ranking = anchor_ranking(score, jnp.arange(score.shape[1])[None] < step.reads[-1].lens[:, None],
                                  cfg.anchor_mass)
-    commits = step.commits.commit(out.logits, SamplerConfig.of(cfg, structure.config, step.sampler),
-                                  cfg.steps_per_block)
+    commits = step.commits.commit(out.logits, SamplerConfig.of(cfg, structure.config), cfg.steps_per_block)
     return out.pool, commits, ranking
 
 
@@ -168,7 +165,7 @@ def block_loop(structure: Structure, cfg: DecodeConfig, packing: Packing, params
                                                                                 access=access,
                                                                                 logit_index=logit_index),
                                 attn_backend=cfg.attn_backend)
-        commits = state.commit(out.logits, SamplerConfig.of(cfg, structure.config, loop.sampler), cfg.steps_per_block)
+        commits = state.commit(out.logits, SamplerConfig.of(cfg, structure.config), cfg.steps_per_block)
         return out.pool, commits, count + 1
 
     pool, rows, count = jax.lax.while_loop(unfinished, body, (pool, rows, jnp.int32(0)))
@@ -262,7 +259,7 @@ class Runner:
                  observer: Observer | None = None, fixed_shapes: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
         self.program_config = config.program_key()  # the jitted steps' static config
-        self.sampler = SamplerValues.of(config)  # and their traced numbers
+        self.sampler = SamplerValues.of(config)  # the numbers of its rows but those of requests with their own
         self.structure, self.params = model.flat
         self.paged = pool  # its `kv` arrays: `pool`, replaced by every call that writes them
         group = model.config.num_heads // model.config.num_kv_heads
@@ -412,7 +409,7 @@ class Runner:
         commits = self._commits(seqs, n_rows, block_start=[False] * len(plan.probe) + [True] * len(plan.recompute)
                                 + [False] * len(plan.decode), active=[not s.needs_probe for s in seqs])
         return PackedStep(tokens, positions, write, segment, tile_rows, tile_seg, reads, logit_index, commits,
-                          weight if probing else None, self.sampler), lengths
+                          weight if probing else None), lengths
 
     def _commits(self, seqs: list[SequenceState], n_rows: int, block_start: list[bool], active: list[bool]) -> Commits:
         pad = lambda values, dtype: np.asarray(list(values) + [0] * (n_rows - len(values)), dtype)
@@ -420,7 +417,9 @@ class Runner:
                        self.model.config.mask_token_id)
         return Commits(blocks, pad([s.seed for s in seqs], np.uint32), pad([s.nfe for s in seqs], np.int32),
                        pad([s.step for s in seqs], np.int32), pad([s.masked_at_start for s in seqs], np.int32),
-                       pad(block_start, bool), pad(active, bool))
+                       pad(block_start, bool), pad(active, bool),
+                       SamplerValues.rows([self.sampler if s.sampler is None else s.sampler for s in seqs], n_rows,
+                                          self.sampler))
 
     def _loop(self, plan: Plan, n_rows: int, loop_rows: int | None = None) -> BlockLoop:
         """The plan's block loop (loop_rows: set only to compile an empty plan's program)."""
@@ -431,7 +430,7 @@ class Runner:
         block = [s.block_columns for s in plan.loop]
         write = _rows([s.read_slot_map[c] for s, c in zip(plan.loop, block)], self.config.block_length, n,
                       self.pool.num_slots)
-        return BlockLoop(rows, write, _rows(block, self.config.block_length, n, 0), self.sampler)
+        return BlockLoop(rows, write, _rows(block, self.config.block_length, n, 0))
 
     def warm_up(self, max_tokens: int, threads: int | None = None, stop: threading.Event | None = None) -> int:
         """Compile, `threads` at a time (default 8, or the CPU count if fewer: more compiles than

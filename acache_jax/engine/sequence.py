@@ -20,6 +20,7 @@ import numpy as np
 from acache_jax.decoding.layout import Request, RequestError, Row
 
 if TYPE_CHECKING:
+    from acache_jax.decoding.sampling import SamplerValues
     from acache_jax.network.kv import AffixCache
 
 Policy = Literal["acache", "baseline"]
@@ -70,6 +71,7 @@ class SequenceState:
         self.private_blocks: list[int] = []
         self.affix_is_new = False  # this admission allocated the affix blocks: the runner must fill them
         self.affix_source: AffixCache | list[int] | None = None  # what the runner fills the affix blocks from
+        self.sampler: SamplerValues | None = None  # its commits' numbers: its own config's (the engine's if None)
         self._private_slots: np.ndarray | None = None  # [T - L + K] (baseline: [T])
         self._shared_slots: np.ndarray | None = None  # [L]
         self._anchors: np.ndarray | None = None  # [K] affix-relative, sorted
@@ -78,13 +80,15 @@ class SequenceState:
     @classmethod
     def from_request(cls, request_id: Hashable, request: Request, affix: list[int] | None, gen_length: int,
                      block_length: int, mask_id: int, policy: Policy = "acache",
-                     affix_cache: AffixCache | None = None) -> SequenceState:
+                     affix_cache: AffixCache | None = None, sampler: SamplerValues | None = None) -> SequenceState:
         """The request's row with its affix placed, keyed by the affix ids; the affix's shared pages
-        are filled from `affix_cache` when one was built beforehand, else computed from the ids."""
+        are filled from `affix_cache` when one was built beforehand, else computed from the ids.
+        `sampler`: the numbers it commits with (None: the engine's)."""
         row = request.row(affix or [], gen_length, mask_id)
         seq = cls(request_id, row, block_length, tuple(affix) if row.affix_len else None, policy, request.seed,
                   mask_id)
         seq.affix_source = (affix_cache if affix_cache is not None else list(affix)) if row.affix_len else None
+        seq.sampler = sampler
         return seq
 
     def _validate(self) -> None:

@@ -1,9 +1,10 @@
 """The engine thread: the one owner of the engines, the affix index and store; the HTTP side only
 sends it commands and reads the events it sends back.
 
-Requests with equal decoding knobs share one `Engine` (one `DecodeConfig`; engines whose knobs
-differ only in the sampler's numbers share compiled programs, `DecodeConfig.program_key`); a
-request with other knobs gets an engine of its own, at most `max_engines` at
+Requests whose decoding knobs differ at most in the sampler's numbers (temperature, threshold)
+and the anchor ratios share one `Engine` (one `DecodeConfig.program_key`: one set of compiled
+programs), each decoding with its own numbers; a request with other knobs gets an engine of its
+own, at most `max_engines` at
 once (an idle one is dropped for a new one; if none is idle the request is refused with 429).
 Every engine runs in one KV pool (`PagedPool`), so the device holds one pool however many
 settings are running, the one the server's memory check sized. With
@@ -64,14 +65,14 @@ class Settings:
     # default bound
     max_step_tokens: int | None = None
     min_affix_reuse: int = 0  # Engine's: requests of less affix tokens x blocks run as dual
-    default_engine: DecodeConfig | None = None  # the key of requests with the server's defaults: kept
+    default_engine: DecodeConfig | None = None  # the config of requests with the server's defaults: its engine is kept
 
 
 @dataclasses.dataclass
 class _Live:
     job: Job
     emit: Emit
-    engine: DecodeConfig
+    engine: DecodeConfig  # its engine's key
     rid: int
     affix: tuple[int, ...] | None  # the affix it runs with (declared, a suffix or discovered)
     source: str | None  # "declared" | "discovered"
@@ -212,11 +213,13 @@ class Worker:
         emit(("error", error))
 
     def _engine(self, config: DecodeConfig) -> Engine:
-        engine = self.engines.get(config)
+        """The engine requests of this config run on (made if need be, made with it)."""
+        key = config.program_key()
+        engine = self.engines.get(key)
         if engine is None:
-            limit = self.settings.max_engines
-            kept = self.settings.default_engine if limit > 1 else None  # its place is never taken
-            if config != kept:
+            limit, default = self.settings.max_engines, self.settings.default_engine
+            kept = default.program_key() if default is not None and limit > 1 else None  # its place is never taken
+            if key != kept:
                 others = [k for k in self.engines if k != kept]
                 if len(others) >= limit - (kept is not None):
                     idle = next((k for k in others if not self.engines[k].has_unfinished()), None)
@@ -233,11 +236,11 @@ class Worker:
                 tokens = s.pool_tokens or default_pool_tokens(s.default_engine or config, s.max_batch, context)
                 self.pool = PagedPool.create(self.model, tokens)
             bound = s.max_step_tokens or s.warmup_tokens or DEFAULT_STEP_TOKENS
-            engine = self.engines[config] = Engine(self.model, config, max_batch=s.max_batch,
+            engine = self.engines[key] = Engine(self.model, config, max_batch=s.max_batch,
                                                    fixed_shapes=s.warmup_tokens > 0, context=s.context,
                                                    max_step_tokens=bound, min_affix_reuse=s.min_affix_reuse,
                                                    pool=self.pool)
-        self.engines.move_to_end(config)
+        self.engines.move_to_end(key)
         return engine
 
     def _admit(self, job: Job, emit: Emit) -> None:
@@ -262,12 +265,12 @@ class Worker:
                 held = self.store.add(affix, cache) and self.store.hold(affix) is not None
         try:
             rid = engine.add(job.request(head, affix, position, tail), cache if cache is not None else affix,
-                             gen_length=job.gen_length)
+                             gen_length=job.gen_length, config=job.config)
         except BaseException:
             if held:
                 self.store.release(affix)
             raise
-        self._live[job.id] = _Live(job, emit, job.config, rid, affix, source, held, hit)
+        self._live[job.id] = _Live(job, emit, job.config.program_key(), rid, affix, source, held, hit)
         self.counters["prompt_tokens"] += job.prompt_tokens
 
     def _step(self, key: DecodeConfig) -> None:
