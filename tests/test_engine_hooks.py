@@ -96,7 +96,10 @@ def test_cancel_frees_slots_at_once_and_partial_output_only_grows(model):
 def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
     """`serve --warmup-tokens`: the worker compiles, before any request, the engine that a request
     with the server's default knobs runs on (its config holds one block, not the default gen length),
-    so serving it compiles no packed step or block loop; its steps are bounded to that many tokens."""
+    so serving it compiles no packed step or block loop; its steps are bounded to that many tokens.
+    A request with other knobs (sampling) gets an engine that compiles its programs in a thread of
+    its own while the default engine goes on answering (before, its first steps compiled them in
+    the engine thread, and every request waited); then it serves without compiling a step."""
     from acache_jax.generate import DEFAULT_MODEL
     from acache_jax.serve.protocol import engine_config, parse
     from acache_jax.serve.worker import Settings, Worker
@@ -123,6 +126,29 @@ def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
         assert engine.config == engine_config(base)
         assert engine.scheduler.max_step_tokens == 128  # steps stay warmed up
         assert engine.min_affix_reuse == 7
+
+        def answer(**knobs) -> tuple[queue.Queue, dict]:
+            events = queue.Queue()
+            worker.submit(parse({"prompt": "Where is Mary?", "max_tokens": 8, **knobs}, model, base, "llada-small",
+                                chat=False), events.put)
+            while (event := events.get(timeout=300))[0] == "text":
+                pass
+            return event, dict(worker.snapshot)
+
+        sampled = queue.Queue()
+        worker.submit(parse({"prompt": "Where is Mary?", "max_tokens": 8, "temperature": 0.5}, model, base,
+                            "llada-small", chat=False), sampled.put)
+        event, metrics = answer()  # the defaults, while the sampling engine compiles
+        assert event[0] == "done" and metrics["engines_compiling"] == 1, (event, metrics)
+        while (event := sampled.get(timeout=300))[0] == "text":
+            pass
+        assert event[0] == "done", event
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            event, metrics = answer(temperature=0.9)
+        compiled = {r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")}
+        assert event[0] == "done" and metrics["engines_compiling"] == 0 and metrics["engines"] == 2, metrics
+        assert not compiled & {"jit(packed_step)", "jit(block_loop)"}, compiled
     finally:
         jax.config.update("jax_log_compiles", False)
         worker.stop()

@@ -95,7 +95,9 @@ class Worker:
         self._lock = threading.Lock()
         self._inflight = 0
         self._stopping = threading.Event()  # set by `stop`: a warm-up in progress starts no more compiles
-        self._warming = False  # the engine thread is in a warm-up
+        self._warming = False  # the engine thread is in a warm-up, or waits for those in the background
+        # engines that requests made, compiling in a thread of their own: not stepped until it ends
+        self._compiling: dict[DecodeConfig, threading.Thread] = {}
         self.counters: Counter[str] = Counter()
         self.snapshot: dict[str, float] = {}
         self._publish()
@@ -151,7 +153,7 @@ class Worker:
 
     def _run(self) -> None:
         while True:
-            busy = any(e.has_unfinished() for e in self.engines.values())
+            busy = any(e.has_unfinished() for k, e in self.engines.items() if k not in self._compiling)
             try:
                 command = self._inbox.get(block=not busy)
             except queue.Empty:
@@ -169,7 +171,7 @@ class Worker:
             if commanded:
                 self._publish()  # what the commands changed (a cancel, a refusal) shows before the next step
             for key in list(self.engines):
-                if self.engines[key].has_unfinished():
+                if key in self.engines and key not in self._compiling and self.engines[key].has_unfinished():
                     self._step(key)
             self._publish()
 
@@ -178,7 +180,7 @@ class Worker:
             start, tokens = time.perf_counter(), self.settings.warmup_tokens
             self._warming = True
             try:
-                count = self._engine(command[1]).warm_up(tokens, stop=self._stopping)
+                count = self._engine(command[1], compile_ahead=False).warm_up(tokens, stop=self._stopping)
                 what = "warm-up stopped with the server, having compiled" if self._stopping.is_set() else "compiled"
                 print(f"acache_jax.serve: {what} {count} programs for steps of up to {tokens} tokens in "
                       f"{time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
@@ -187,6 +189,9 @@ class Worker:
             finally:
                 self._warming = False
                 command[2].set()
+            return
+        if command[0] == "compiled":  # a background warm-up ended: its engine steps from now on
+            self._compiling.pop(command[1]).join()
             return
         if command[0] == "cancel":
             live = self._live.get(command[1])
@@ -212,8 +217,12 @@ class Worker:
         self.counters["failed"] += 1
         emit(("error", error))
 
-    def _engine(self, config: DecodeConfig) -> Engine:
-        """The engine requests of this config run on (made if need be, made with it)."""
+    def _engine(self, config: DecodeConfig, compile_ahead: bool = True) -> Engine:
+        """The engine requests of this config run on (made if need be, made with it). With
+        `warmup_tokens`, a new engine compiles its programs in a thread of its own before it steps
+        (`compile_ahead`): its requests wait for that, and the other engines go on serving, where
+        compiling as its first steps needed them would stop every engine for as long (a minute or
+        more of programs at 8B shapes)."""
         key = config.program_key()
         engine = self.engines.get(key)
         if engine is None:
@@ -222,7 +231,8 @@ class Worker:
             if key != kept:
                 others = [k for k in self.engines if k != kept]
                 if len(others) >= limit - (kept is not None):
-                    idle = next((k for k in others if not self.engines[k].has_unfinished()), None)
+                    idle = next((k for k in others if not self.engines[k].has_unfinished()
+                                 and k not in self._compiling), None)
                     if idle is None:
                         advice = ("; retry shortly, or leave the decoding knobs out to run on the server's defaults "
                                   "(one engine is kept for them)") if kept is not None else "; retry shortly"
@@ -240,8 +250,30 @@ class Worker:
                                                    fixed_shapes=s.warmup_tokens > 0, context=s.context,
                                                    max_step_tokens=bound, min_affix_reuse=s.min_affix_reuse,
                                                    pool=self.pool)
+            if compile_ahead and s.warmup_tokens and key not in self._compiling:
+                self._compile_ahead(key, engine)
         self.engines.move_to_end(key)
         return engine
+
+    def _compile_ahead(self, key: DecodeConfig, engine: Engine) -> None:
+        """Warm `engine` up in a thread; the engine thread hears of its end from the inbox. The
+        programs are the process's (jax's caches), so an engine made again for the key while an
+        earlier one compiles waits for that one."""
+        def run() -> None:
+            start, tokens = time.perf_counter(), self.settings.warmup_tokens
+            try:
+                count = engine.warm_up(tokens, stop=self._stopping)
+                print(f"acache_jax.serve: compiled {count} programs of another decoding setting for steps of up to "
+                      f"{tokens} tokens in {time.perf_counter() - start:.0f} s, while serving", file=sys.stderr,
+                      flush=True)
+            except Exception as e:  # its steps compile what they need instead
+                print(f"acache_jax.serve: warm-up of another decoding setting failed: {e!r}", file=sys.stderr,
+                      flush=True)
+            finally:
+                self._inbox.put(("compiled", key))
+
+        thread = self._compiling[key] = threading.Thread(target=run, name="acache-compile", daemon=True)
+        thread.start()
 
     def _admit(self, job: Job, emit: Emit) -> None:
         engine = self._engine(job.config)
@@ -355,6 +387,11 @@ class Worker:
             self._inflight -= 1
 
     def _shutdown(self) -> None:
+        if self._compiling:  # none starts another compile (`_stopping`); a process that exits mid-compile aborts
+            self._warming = True
+            for thread in self._compiling.values():
+                thread.join()
+            self._compiling.clear()
         for live in list(self._live.values()):
             self.engines[live.engine].cancel(live.rid)
             self._end(live)
@@ -384,6 +421,7 @@ class Worker:
                  "pool_blocks_used": float(blocks.num_blocks - blocks.num_free_blocks if blocks else 0),
                  "pool_blocks_capacity": float(blocks.num_blocks if blocks else 0),
                  "engines": float(len(engines)),
+                 "engines_compiling": float(len(self._compiling)),
                  "engine_iterations_total": float(self.counters["engine_iterations"]),
                  "affix_caches": float(len(self.store)), "affix_cache_bytes": float(self.store.nbytes),
                  "affix_cache_evictions_total": float(self.store.evictions),
