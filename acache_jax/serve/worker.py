@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import queue
 import sys
 import threading
@@ -256,13 +257,13 @@ class Worker:
         return engine
 
     def _compile_ahead(self, key: DecodeConfig, engine: Engine) -> None:
-        """Warm `engine` up in a thread; the engine thread hears of its end from the inbox. The
-        programs are the process's (jax's caches), so an engine made again for the key while an
-        earlier one compiles waits for that one."""
+        """Warm `engine` up in a thread, compiling on half the cores (the others keep serving); the
+        engine thread hears of its end from the inbox. The programs are the process's (jax's
+        caches), so an engine made again for the key while an earlier one compiles waits for that one."""
         def run() -> None:
             start, tokens = time.perf_counter(), self.settings.warmup_tokens
             try:
-                count = engine.warm_up(tokens, stop=self._stopping)
+                count = engine.warm_up(tokens, threads=max(1, (os.cpu_count() or 2) // 2), stop=self._stopping)
                 print(f"acache_jax.serve: compiled {count} programs of another decoding setting for steps of up to "
                       f"{tokens} tokens in {time.perf_counter() - start:.0f} s, while serving", file=sys.stderr,
                       flush=True)
