@@ -37,7 +37,8 @@ from acache_jax.decoding.decode import check_policy, generate
 from acache_jax.decoding.layout import (AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_affix, check_request,
                                         token_ids)
 from acache_jax.engine import Engine
-from acache_jax.engine.engine import check_engine_config
+from acache_jax.engine.engine import check_engine_config, default_pool_tokens
+from acache_jax.engine.pool import PagedPool
 from acache_jax.network.checkpoint import load
 from acache_jax.network.config import (ATTENTION_BACKENDS, CACHE_POLICIES, FIELD_KINDS, SELECTORS, DecodeConfig,
                                        DreamAlg, InputError, Remasking)
@@ -422,11 +423,18 @@ def _run_static(model: Model, jobs: list[_Job], batch_size: int, out: _Output) -
 
 
 def _run_engine(model: Model, jobs: list[_Job], args: argparse.Namespace, out: _Output) -> None:
-    """One engine per decoding config, stepped until its requests are done; results printed as they finish."""
-    for config, members in _by_config(jobs).items():
-        # no larger a batch (and so a default pool) than these requests need: a pool for 16 requests of
-        # LLaDA-8B's context is 34 GB, for the one request of a --prompt run
-        engine = Engine(model, config, pool_tokens=args.pool_tokens, max_batch=min(args.batch_size, len(members)))
+    """One engine per decoding config, stepped until its requests are done; results printed as they finish.
+    The engines run in one KV pool: one made per config held the last one's while it was made."""
+    groups = _by_config(jobs)
+    if not groups:
+        return
+    # no larger a batch (and so a default pool) than these requests need: a pool for 16 requests of
+    # LLaDA-8B's context is 34 GB, for the one request of a --prompt run
+    batch = min(args.batch_size, max(map(len, groups.values())))
+    pool = PagedPool.create(model, args.pool_tokens or max(default_pool_tokens(c, batch, model.config.max_seq_len)
+                                                           for c in groups))
+    for config, members in groups.items():
+        engine = Engine(model, config, max_batch=min(args.batch_size, len(members)), pool=pool)
         ids = {engine.add(job.request, job.affix): i for i, job in members}
         while engine.has_unfinished():
             _stop_if_interrupted(out.interrupts)
@@ -434,6 +442,7 @@ def _run_engine(model: Model, jobs: list[_Job], args: argparse.Namespace, out: _
                 out.put(ids[res.request_id], _row(model, config, res.tokens, res.nfe, res.anchors, forward_tokens=None,
                                                   seconds=round(engine.stats.seconds, 4),
                                                   engine=engine.stats.summary()))
+        engine.drain()  # its last requests' affix leaves the pool
 
 
 def _by_config(jobs: list[_Job]) -> dict[DecodeConfig, list[tuple[int, _Job]]]:

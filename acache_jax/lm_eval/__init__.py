@@ -59,7 +59,8 @@ from acache_jax.decoding.acache import build_affix_cache
 from acache_jax.decoding.decode import generate
 from acache_jax.decoding.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_context, check_request
 from acache_jax.engine import Engine
-from acache_jax.engine.engine import check_engine_config
+from acache_jax.engine.engine import check_engine_config, default_pool_tokens
+from acache_jax.engine.pool import PagedPool
 from acache_jax.lm_eval import chat_layout, likelihood
 from acache_jax.network.checkpoint import DTYPES, load
 from acache_jax.network.config import (FIELD_KINDS, GENERATION_CONFIG_FILE, DecodeConfig, DecodeError, InputError,
@@ -244,6 +245,7 @@ class ACacheLM(LM):
         self._affixes: dict[str, chat_layout.ChatAffix] = {}
         self._caches: dict[str, AffixCache] = {}  # selective policies: each task's affix computed once
         self._engines: dict[DecodeConfig, Engine] = {}
+        self._pool: PagedPool | None = None  # the engines'
         self._configs: dict[int, DecodeConfig] = {}
 
     # -- prompts ------------------------------------------------------------------------------
@@ -348,9 +350,11 @@ class ACacheLM(LM):
         if not self.settings.engine:
             return generate(self.model, requests, config, affix=affix, max_batch=self.settings.batch_size,
                             progress=progress).tokens
-        if config not in self._engines:
-            self._engines[config] = Engine(self.model, config, pool_tokens=self.settings.pool_tokens,
-                                           max_batch=self.settings.batch_size)
+        if config not in self._engines:  # one per config (a task's gen length), all in one KV pool
+            if self._pool is None:
+                self._pool = PagedPool.create(self.model, self.settings.pool_tokens or default_pool_tokens(
+                    config, self.settings.batch_size, self.model.config.max_seq_len))
+            self._engines[config] = Engine(self.model, config, max_batch=self.settings.batch_size, pool=self._pool)
         return [r.tokens for r in self._engines[config].generate(requests, affix)]
 
     def _text(self, job: _Job, tokens: np.ndarray) -> str:
