@@ -217,8 +217,8 @@ class Engine:
             ours, theirs = key(self.config), key(config)
             differ = [f.name for f in dataclasses.fields(DecodeConfig)
                       if getattr(ours, f.name) != getattr(theirs, f.name)]
-            raise DecodeError(f"a request's config may differ from its engine's only in the sampler's numbers and "
-                              f"the anchor ratios (the rules they select included); it differs in {differ}")
+            raise DecodeError(f"a request's config may differ from its engine's only in the sampler's numbers (not "
+                              f"in which rules they select) and the anchor ratios; it differs in {differ}")
         return config
 
     def _check(self, request: Request, affix: Sequence[int] | AffixCache | None, gen_length: int | None
