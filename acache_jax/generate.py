@@ -37,8 +37,7 @@ from acache_jax.decoding.decode import check_policy, generate
 from acache_jax.decoding.layout import (AFFIX_POSITIONS, MAX_SEED, Request, RequestError, check_affix, check_request,
                                         token_ids)
 from acache_jax.engine import Engine
-from acache_jax.engine.engine import check_engine_config, default_pool_tokens
-from acache_jax.engine.pool import PagedPool
+from acache_jax.engine.engine import check_engine_config, pool_for
 from acache_jax.network.checkpoint import load
 from acache_jax.network.config import (ATTENTION_BACKENDS, CACHE_POLICIES, FIELD_KINDS, SELECTORS, DecodeConfig,
                                        DreamAlg, InputError, Remasking)
@@ -430,9 +429,8 @@ def _run_engine(model: Model, jobs: list[_Job], args: argparse.Namespace, out: _
         return
     # no larger a batch (and so a default pool) than these requests need: a pool for 16 requests of
     # LLaDA-8B's context is 34 GB, for the one request of a --prompt run
-    batch = min(args.batch_size, max(map(len, groups.values())))
-    pool = PagedPool.create(model, args.pool_tokens or max(default_pool_tokens(c, batch, model.config.max_seq_len)
-                                                           for c in groups))
+    pool = pool_for(model, list(groups), min(args.batch_size, max(map(len, groups.values()))),
+                    pool_tokens=args.pool_tokens)
     for config, members in groups.items():
         engine = Engine(model, config, max_batch=min(args.batch_size, len(members)), pool=pool)
         ids = {engine.add(job.request, job.affix): i for i, job in members}

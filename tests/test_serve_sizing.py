@@ -131,10 +131,11 @@ def test_min_affix_reuse_is_a_non_negative_count_of_affix_tokens_times_blocks(ca
 def test_every_engine_runs_in_the_one_pool_and_a_failed_step_frees_what_it_held():
     """The server's engines (one per decoding setting) run in its one KV pool, the one
     `serve_context` sized: a request with other knobs adds an engine and no K/V memory (before,
-    each engine made a pool of its own: at 8B on an H200 a second setting asked for a second ~44
-    GB), and requests that differ only in the sampler's numbers share one engine. A step that fails
-    answers its own requests 500 and frees their blocks while the others finish; a failure after the step took the pool's arrays (they are donated) loses every
-    request's K/V, so all are answered 500 and the next request gets a new pool. The worker runs
+    each engine made a pool of its own: at 8B on an H200 a second setting asked for a second 32
+    GiB), and requests that differ only in the sampler's numbers share one engine. A step that
+    fails answers its own requests 500 and frees their blocks while the others finish; a failure
+    after the step took the pool's arrays (they are donated) loses every request's K/V, so all are
+    answered 500 and the next request gets a new pool. The worker runs
     in this process (its thread), on the shipped model."""
     import queue
     import threading

@@ -56,6 +56,15 @@ def default_pool_tokens(config: DecodeConfig, max_batch: int, context: int, bloc
     return max(max_batch * context, one)
 
 
+def pool_for(model: Model, configs: Sequence[DecodeConfig], max_batch: int, context: int | None = None,
+             pool_tokens: int | None = None, block_size: int = BLOCK_SIZE) -> PagedPool:
+    """A KV pool for engines of these configs (one each, stepped from one thread): `pool_tokens`
+    slots, else the largest of their `default_pool_tokens` for `context` (default the model's)."""
+    context = context or model.config.max_seq_len
+    return PagedPool.create(model, pool_tokens or max(default_pool_tokens(c, max_batch, context, block_size)
+                                                      for c in configs), block_size)
+
+
 @dataclasses.dataclass
 class EngineResult:
     request_id: int
@@ -176,9 +185,7 @@ class Engine:
         self.min_affix_reuse = min_affix_reuse if config.selective else 0  # no probe to pay for without anchors
         self.context = context or model.config.max_seq_len
         if pool is None:
-            block_size = block_size or BLOCK_SIZE
-            pool_tokens = pool_tokens or default_pool_tokens(config, max_batch, self.context, block_size)
-            pool = PagedPool.create(model, pool_tokens, block_size)
+            pool = pool_for(model, [config], max_batch, self.context, pool_tokens, block_size or BLOCK_SIZE)
         self.block_manager = pool.blocks
         self.scheduler = Scheduler(self.block_manager, max_batch, max_step_tokens)
         self.runner = Runner(model, config, pool, max_batch, self.context, observer, fixed_shapes)

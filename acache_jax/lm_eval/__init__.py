@@ -59,7 +59,7 @@ from acache_jax.decoding.acache import build_affix_cache
 from acache_jax.decoding.decode import generate
 from acache_jax.decoding.layout import AFFIX_POSITIONS, MAX_SEED, Request, check_context, check_request
 from acache_jax.engine import Engine
-from acache_jax.engine.engine import check_engine_config, default_pool_tokens
+from acache_jax.engine.engine import check_engine_config, pool_for
 from acache_jax.engine.pool import PagedPool
 from acache_jax.lm_eval import chat_layout, likelihood
 from acache_jax.network.checkpoint import DTYPES, load
@@ -352,8 +352,8 @@ class ACacheLM(LM):
                             progress=progress).tokens
         if config not in self._engines:  # one per config (a task's gen length), all in one KV pool
             if self._pool is None:
-                self._pool = PagedPool.create(self.model, self.settings.pool_tokens or default_pool_tokens(
-                    config, self.settings.batch_size, self.model.config.max_seq_len))
+                self._pool = pool_for(self.model, [config], self.settings.batch_size,
+                                      pool_tokens=self.settings.pool_tokens)
             self._engines[config] = Engine(self.model, config, max_batch=self.settings.batch_size, pool=self._pool)
         return [r.tokens for r in self._engines[config].generate(requests, affix)]
 

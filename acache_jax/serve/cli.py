@@ -77,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-tokens", type=positive,
                    help="the KV pool, which every engine shares, in tokens (default: --max-batch x --max-model-len; "
                         "at --max-batch 1, room for a request's anchors too)")
-    p.add_argument("--max-engines", type=positive, default=4, help="distinct decoding settings served at once (settings that differ only in temperature, "
+    p.add_argument("--max-engines", type=positive, default=4,
+                   help="distinct decoding settings served at once (settings that differ only in temperature, "
                         "threshold, factor or the anchor ratios count as one)")
     p.add_argument("--max-queue", type=positive, default=256, help="requests queued or running; more get 429")
     p.add_argument("--no-discovery", dest="discovery", action="store_false", help="serve declared affixes only")

@@ -34,7 +34,7 @@ from typing import Any
 
 from acache_jax.decoding.acache import build_affix_cache
 from acache_jax.engine import Engine
-from acache_jax.engine.engine import DEFAULT_STEP_TOKENS, default_pool_tokens
+from acache_jax.engine.engine import DEFAULT_STEP_TOKENS, pool_for
 from acache_jax.engine.pool import PagedPool
 from acache_jax.network.config import DecodeConfig, InputError
 from acache_jax.network.model import Model
@@ -66,7 +66,7 @@ class Settings:
     # default bound
     max_step_tokens: int | None = None
     min_affix_reuse: int = 0  # Engine's: requests of less affix tokens x blocks run as dual
-    default_engine: DecodeConfig | None = None  # the config of requests with the server's defaults: its engine is kept
+    default_engine: DecodeConfig | None = None  # requests with the server's defaults: their engine is kept
 
 
 @dataclasses.dataclass
@@ -222,8 +222,8 @@ class Worker:
         """The engine requests of this config run on (made if need be, made with it). With
         `warmup_tokens`, a new engine compiles its programs in a thread of its own before it steps
         (`compile_ahead`): its requests wait for that, and the other engines go on serving, where
-        compiling as its first steps needed them would stop every engine for as long (a minute or
-        more of programs at 8B shapes)."""
+        compiling as its first steps needed them would stop every engine for as long (about 10 s a
+        program at 8B shapes)."""
         key = config.program_key()
         engine = self.engines.get(key)
         if engine is None:
@@ -243,9 +243,7 @@ class Worker:
                     self.engines.pop(idle).drain()  # its last finished requests' affixes leave the pool
             s = self.settings
             if self.pool is None:
-                context = s.context or self.model.config.max_seq_len
-                tokens = s.pool_tokens or default_pool_tokens(s.default_engine or config, s.max_batch, context)
-                self.pool = PagedPool.create(self.model, tokens)
+                self.pool = pool_for(self.model, [s.default_engine or config], s.max_batch, s.context, s.pool_tokens)
             bound = s.max_step_tokens or s.warmup_tokens or DEFAULT_STEP_TOKENS
             engine = self.engines[key] = Engine(self.model, config, max_batch=s.max_batch,
                                                    fixed_shapes=s.warmup_tokens > 0, context=s.context,
