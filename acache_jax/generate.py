@@ -422,32 +422,29 @@ def _run_static(model: Model, jobs: list[_Job], batch_size: int, out: _Output) -
 
 
 def _run_engine(model: Model, jobs: list[_Job], args: argparse.Namespace, out: _Output) -> None:
-    """One engine per decoding config, stepped until its requests are done; results printed as they finish.
-    The engines run in one KV pool: one made per config held the last one's while it was made."""
-    groups = _by_config(jobs)
+    """One engine per `DecodeConfig.engine_key` (lines whose configs differ only in gen length or the
+    sampler's numbers decode together, each with its own), stepped until its requests are done;
+    results printed as they finish. The engines run in one KV pool: one made per config held the
+    last one's while it was made."""
+    groups: dict[DecodeConfig, list[tuple[int, _Job]]] = {}
+    for i, job in enumerate(jobs):
+        groups.setdefault(job.config.engine_key(), []).append((i, job))
     if not groups:
         return
     # no larger a batch (and so a default pool) than these requests need: a pool for 16 requests of
     # LLaDA-8B's context is 34 GB, for the one request of a --prompt run
-    pool = pool_for(model, list(groups), min(args.batch_size, max(map(len, groups.values()))),
+    pool = pool_for(model, list({job.config for job in jobs}), min(args.batch_size, max(map(len, groups.values()))),
                     pool_tokens=args.pool_tokens)
-    for config, members in groups.items():
-        engine = Engine(model, config, max_batch=min(args.batch_size, len(members)), pool=pool)
-        ids = {engine.add(job.request, job.affix): i for i, job in members}
+    for members in groups.values():
+        engine = Engine(model, members[0][1].config, max_batch=min(args.batch_size, len(members)), pool=pool)
+        ids = {engine.add(job.request, job.affix, config=job.config): (i, job) for i, job in members}
         while engine.has_unfinished():
             _stop_if_interrupted(out.interrupts)
             for res in engine.step():
-                out.put(ids[res.request_id], _row(model, config, res.tokens, res.nfe, res.anchors, forward_tokens=None,
-                                                  seconds=round(engine.stats.seconds, 4),
-                                                  engine=engine.stats.summary()))
+                i, job = ids[res.request_id]
+                out.put(i, _row(model, job.config, res.tokens, res.nfe, res.anchors, forward_tokens=None,
+                                seconds=round(engine.stats.seconds, 4), engine=engine.stats.summary()))
         engine.drain()  # its last requests' affix leaves the pool
-
-
-def _by_config(jobs: list[_Job]) -> dict[DecodeConfig, list[tuple[int, _Job]]]:
-    groups: dict[DecodeConfig, list[tuple[int, _Job]]] = {}
-    for i, job in enumerate(jobs):
-        groups.setdefault(job.config, []).append((i, job))
-    return groups
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,21 +140,24 @@ def test_engines_that_differ_only_in_anchor_ratio_share_programs(fixtures_dir):
     assert [r.anchors.tolist() for r in first] == [r.anchors.tolist() for r in second]  # K = 5 of 23 both
 
 
-def test_engines_that_differ_only_in_sampler_numbers_share_programs(fixtures_dir):
-    """Temperature and threshold reach the steps traced (`sampling.SamplerValues`): an engine with other
-    numbers runs the steps compiled for the first (a server's request with its own temperature
-    compiles nothing), and still gives the static path's tokens."""
+def test_engines_that_differ_only_in_sampler_numbers_and_gen_length_share_programs(fixtures_dir):
+    """Temperature and threshold reach the steps traced (`sampling.SamplerValues`), and the steps
+    see one block at a time (`DecodeConfig.engine_key`): an engine with other numbers and another
+    gen length runs the steps compiled for the first (a server's request with its own temperature
+    compiles nothing), and still gives the static path's tokens. (Fixed shapes, as a server's: the
+    longer requests' steps then fall in the same token axes.)"""
     model = acache_jax.load(fixtures_dir / "decode" / "llada", dtype="float32")
     steps = (runner.packed_step, runner.block_loop)
-    make = lambda **numbers: DecodeConfig(gen_length=16, block_length=8, cache="acache", anchor_ratio=0.2, **numbers)
-    Engine(model, make(temperature=0.7, threshold=0.9), pool_tokens=400, block_size=8,
-           max_batch=4).generate(REQUESTS[:2], AFFIX)
+    make = lambda **knobs: DecodeConfig(block_length=8, cache="acache", anchor_ratio=0.2, **knobs)
+    engine = lambda config: Engine(model, config, pool_tokens=400, block_size=8, max_batch=4, **FIXED)
+    engine(make(gen_length=16, temperature=0.7, threshold=0.9)).generate(REQUESTS[:2], AFFIX)
     compiled = [f._cache_size() for f in steps]
-    config = make(temperature=0.3, threshold=0.6)
-    results = Engine(model, config, pool_tokens=400, block_size=8, max_batch=4).generate(REQUESTS[:2], AFFIX)
+    config = make(gen_length=24, temperature=0.3, threshold=0.6)
+    results = engine(config).generate(REQUESTS[:2], AFFIX)
     assert [f._cache_size() for f in steps] == compiled
     static = generate(model, REQUESTS[:2], config, affix=AFFIX)
     assert [r.tokens.tolist() for r in results] == [t.tolist() for t in static.tokens]
+    assert all(len(r.tokens) == 24 for r in results)
 
 
 @pytest.mark.parametrize("model", ["llada", "dream"], indirect=True)

@@ -121,8 +121,8 @@ def test_the_server_warm_up_compiles_the_engine_default_requests_run_on(caplog):
         assert event[0] == "done", event
         compiled = {r.getMessage().split()[1] for r in caplog.records if r.getMessage().startswith("Compiling ")}
         assert not compiled & {"jit(packed_step)", "jit(block_loop)"}, compiled
-        assert list(worker.engines) == [engine_config(base).program_key()]
-        engine = worker.engines[engine_config(base).program_key()]
+        assert list(worker.engines) == [engine_config(base).engine_key()]
+        engine = worker.engines[engine_config(base).engine_key()]
         assert engine.config == engine_config(base)
         assert engine.scheduler.max_step_tokens == 128  # steps stay warmed up
         assert engine.min_affix_reuse == 7

@@ -103,7 +103,9 @@ def test_affix_flags_and_anchors(capsys, model_dir, tmp_path):
               "cache": "direct"},
              {"prompt_ids": [5, 17, 33], "affix_ids": list(range(30, 50)), "cache": "dual"},
              {"prompt_ids": [5, 17, 33], "affix_ids": list(range(30, 50)), "affix_position": "prefix",
-              "cache": "acache", "anchor_ratio": 0.5, "anchor_mass": 0.3, "anchor_min_ratio": 0.1}]
+              "cache": "acache", "anchor_ratio": 0.5, "anchor_mass": 0.3, "anchor_min_ratio": 0.1},
+             {"prompt_ids": [5, 17], "affix_ids": list(range(30, 50)), "affix_position": "infix",
+              "prompt_tail_ids": [7, 8], "cache": "acache", "gen_length": 24}]  # the engine of the first line
     path = tmp_path / "affix.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines))
     code, out, err = _run(capsys, "--model", model_dir, "--input", str(path), "--json", *FAST)
@@ -111,6 +113,7 @@ def test_affix_flags_and_anchors(capsys, model_dir, tmp_path):
     rows = [json.loads(x) for x in out.splitlines()]
     assert len(rows[0]["anchors"]) == 4 and rows[1]["anchors"] == [] and "anchors" not in rows[2]
     assert 2 <= len(rows[3]["anchors"]) <= 10  # the adaptive budget, within 0.1-0.5 of the 20 affix tokens
+    assert len(rows[4]["tokens"]) == 24
     code, _, err = _run(capsys, "--model", model_dir, "--prompt-ids", "5", "--affix-ids", affix,
                         "--affix-position", "infix", *FAST)
     assert code == 2 and "needs a prompt tail" in err
@@ -121,6 +124,8 @@ def test_affix_flags_and_anchors(capsys, model_dir, tmp_path):
     assert [r["tokens"] for r in served] == [r["tokens"] for r in rows]
     assert [r.get("anchors") for r in served] == [r.get("anchors") for r in rows]
     assert served[0]["engine"]["affix_fills"] == 1
+    # the last line ran in the first line's engine (one engine key): whichever finished last counts both
+    assert max(served[i]["engine"]["generated_tokens"] for i in (0, 4)) == 16 + 24
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -191,7 +191,7 @@ def test_every_engine_runs_in_the_one_pool_and_a_failed_step_frees_what_it_held(
         # a failing step, the pool intact: its request fails, the other engine's finishes
         dual = next(e for k, e in worker.engines.items() if k.cache == "dual")
         gate = threading.Event()
-        gated(worker.engines[protocol.engine_config(base).program_key()], gate)
+        gated(worker.engines[protocol.engine_config(base).engine_key()], gate)
         running = submit(max_tokens=32)
         while worker.snapshot["requests_waiting"] + worker.snapshot["requests_running"] == 0:  # taken in
             time.sleep(0.01)
@@ -220,7 +220,7 @@ def test_every_engine_runs_in_the_one_pool_and_a_failed_step_frees_what_it_held(
             for a in jax.tree.leaves(pool.kv):
                 a.delete()
             raise RuntimeError("a staged failure after the pool went in")
-        worker.engines[protocol.engine_config(base).program_key()].runner.run = lose
+        worker.engines[protocol.engine_config(base).engine_key()].runner.run = lose
         failing = submit()
         time.sleep(0.2)
         gate.set()

@@ -203,37 +203,37 @@ class Engine:
             gen_length: int | None = None, config: DecodeConfig | None = None) -> int:
         """Queue a request (its affix, if any, as token ids or a built `AffixCache`); returns its id.
 
-        gen_length: this request's own, a multiple of the block length (default the config's); it
-        decodes as `generate` would with `request_config(gen_length)`: the same steps per block.
+        gen_length: this request's own, a multiple of the block length (default that of `config`); it
+        decodes as `generate` would with `config.with_gen_length(gen_length)`: the same steps per block.
         config: this request's own settings (default the engine's), which may differ from the
-        engine's only where they share programs (`DecodeConfig.program_key`): the sampler's numbers
-        (temperature, threshold, ...; each row commits with its own) and the anchor ratios; it
-        then decodes as `generate` with that config would. Its gen_length is not used.
+        engine's only where they share programs (`DecodeConfig.engine_key`): the gen length, the
+        sampler's numbers (temperature, threshold, ...; each row commits with its own) and the
+        anchor ratios; it then decodes as `generate` with that config would.
         Under `acache` / `direct`, a request without an affix shares nothing: it owns and recomputes
         all its columns, exactly as under `dual`, so one engine serves requests with and without one.
         A request that cannot run raises `InputError` naming the problem, and nothing is queued.
         """
-        return self._queue(request, affix, *self._check(request, affix, gen_length), self._own(config))
+        own = self._own(config)
+        gen_length = own.gen_length if gen_length is None else gen_length
+        return self._queue(request, affix, *self._check(request, affix, gen_length), own)
 
     def _own(self, config: DecodeConfig | None) -> DecodeConfig:
         """A request's own config, checked to run on this engine's programs."""
         if config is None or config == self.config:
             return self.config
-        key = lambda c: dataclasses.replace(c.program_key(), gen_length=c.block_length, steps=c.steps_per_block)
-        if key(config) != key(self.config):
-            ours, theirs = key(self.config), key(config)
+        ours, theirs = self.config.engine_key(), config.engine_key()
+        if theirs != ours:
             differ = [f.name for f in dataclasses.fields(DecodeConfig)
                       if getattr(ours, f.name) != getattr(theirs, f.name)]
-            raise DecodeError(f"a request's config may differ from its engine's only in the sampler's numbers (not "
-                              f"in which rules they select) and the anchor ratios; it differs in {differ}")
+            raise DecodeError(f"a request's config may differ from its engine's only in its gen length, the sampler's "
+                              f"numbers (not in which rules they select) and the anchor ratios; it differs in {differ}")
         return config
 
-    def _check(self, request: Request, affix: Sequence[int] | AffixCache | None, gen_length: int | None
+    def _check(self, request: Request, affix: Sequence[int] | AffixCache | None, gen_length: int
                ) -> tuple[list[int] | None, int]:
         """(affix ids, gen length) of a request that can run; lengths are checked by arithmetic
         before anything is built or reserved."""
-        cfg, mcfg = self.config, self.model.config
-        gen_length = cfg.gen_length if gen_length is None else gen_length
+        mcfg = self.model.config
         if isinstance(affix, AffixCache):
             check_affix_cache(self.model, affix)
         affix_ids = None if affix is None else check_affix(affix, mcfg)
@@ -312,20 +312,22 @@ class Engine:
         """The static path's config of a request with this gen length: the same schedule per block."""
         return self.config.with_gen_length(gen_length)
 
-    def generate(self, requests: Sequence[Request], affix: Sequence[int] | AffixCache | None = None
-                 ) -> list[EngineResult]:
+    def generate(self, requests: Sequence[Request], affix: Sequence[int] | AffixCache | None = None, *,
+                 config: DecodeConfig | None = None) -> list[EngineResult]:
         """Queue `requests` (sharing `affix`) and step until they are done; their results in input order.
 
+        config: the requests' own settings, gen length included (default the engine's), as `add` takes.
         Requests queued earlier with `add` keep running alongside; those that finish meanwhile are
         held for the next `run()`, which hands them out.
         """
+        own = self._own(config)
         checked = []
         for i, r in enumerate(requests):  # every request checked before any is queued
             try:
-                checked.append(self._check(r, affix, None))
+                checked.append(self._check(r, affix, own.gen_length))
             except InputError as e:
                 raise type(e)(f"request {i}: {e}") from None
-        ids = [self._queue(r, affix, *c, self.config) for r, c in zip(requests, checked)]
+        ids = [self._queue(r, affix, *c, own) for r, c in zip(requests, checked)]
         wanted, got = set(ids), {}
         while len(got) < len(wanted):
             for res in self.step():

@@ -258,7 +258,7 @@ class Runner:
     def __init__(self, model: Any, config: DecodeConfig, pool: PagedPool, max_batch: int, context: int,
                  observer: Observer | None = None, fixed_shapes: bool = False):
         self.model, self.config, self.max_batch = model, config, max_batch
-        self.program_config = config.program_key()  # the jitted steps' static config
+        self.program_config = config.engine_key()  # the jitted steps' static config
         self.sampler = SamplerValues.of(config)  # the numbers of its rows but those of requests with their own
         self.structure, self.params = model.flat
         self.paged = pool  # its `kv` arrays: `pool`, replaced by every call that writes them

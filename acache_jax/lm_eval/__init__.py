@@ -350,12 +350,13 @@ class ACacheLM(LM):
         if not self.settings.engine:
             return generate(self.model, requests, config, affix=affix, max_batch=self.settings.batch_size,
                             progress=progress).tokens
-        if config not in self._engines:  # one per config (a task's gen length), all in one KV pool
+        key = config.engine_key()  # tasks' gen lengths share an engine; other settings each have one, in one KV pool
+        if key not in self._engines:
             if self._pool is None:
                 self._pool = pool_for(self.model, [config], self.settings.batch_size,
                                       pool_tokens=self.settings.pool_tokens)
-            self._engines[config] = Engine(self.model, config, max_batch=self.settings.batch_size, pool=self._pool)
-        return [r.tokens for r in self._engines[config].generate(requests, affix)]
+            self._engines[key] = Engine(self.model, config, max_batch=self.settings.batch_size, pool=self._pool)
+        return [r.tokens for r in self._engines[key].generate(requests, affix, config=config)]
 
     def _text(self, job: _Job, tokens: np.ndarray) -> str:
         ids = self.model.answer_ids(tokens)[:job.max_tokens]

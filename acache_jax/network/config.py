@@ -364,6 +364,13 @@ class DecodeConfig:
                                    anchor_min_ratio=DecodeConfig.anchor_min_ratio,
                                    **{name: _sampler_rule(name, getattr(self, name)) for name in SAMPLER_VALUES})
 
+    def engine_key(self) -> DecodeConfig:
+        """The program key at one block (gen length and steps those of one block): the engine's
+        jitted steps see one block at a time, so configs that differ only in their gen length (with
+        the same steps per block) and in what `program_key` drops run on one engine and its
+        compiled programs, each request at its own length."""
+        return dataclasses.replace(self.program_key(), gen_length=self.block_length, steps=self.steps_per_block)
+
     def replace(self, **overrides: Any) -> DecodeConfig:
         """A copy with these fields changed (validated); an unknown field name is an error."""
         unknown = sorted(set(overrides) - set(FIELD_KINDS))

@@ -75,7 +75,7 @@ class Job:
     affix: tuple[int, ...] | None
     affix_position: str | None
     tail: list[list[int]]
-    config: DecodeConfig  # the request's knobs, gen_length one block (its engine: its `program_key`)
+    config: DecodeConfig  # the request's knobs, gen_length one block (its engine: its `engine_key`)
     gen_length: int
     seed: int
     stop: tuple[str, ...]
@@ -224,7 +224,7 @@ class _Pieces:
 
 def engine_config(base: DecodeConfig, **knobs: Any) -> DecodeConfig:
     """The config a request with these knobs runs with (its engine is the one of its
-    `program_key`), at one block: gen length is per request (rounded up to whole blocks)."""
+    `engine_key`), at one block: gen length is per request (rounded up to whole blocks)."""
     block = knobs.get("block_length", base.block_length)
     if not isinstance(block, int) or block <= 0:
         raise InputError(f"block_length must be a positive integer, got {block!r}")

@@ -2,7 +2,7 @@
 sends it commands and reads the events it sends back.
 
 Requests whose decoding knobs differ at most in the sampler's numbers (temperature, threshold)
-and the anchor ratios share one `Engine` (one `DecodeConfig.program_key`: one set of compiled
+and the anchor ratios share one `Engine` (one `DecodeConfig.engine_key`: one set of compiled
 programs), each decoding with its own numbers; a request with other knobs gets an engine of its
 own, at most `max_engines` at
 once (an idle one is dropped for a new one; if none is idle the request is refused with 429).
@@ -224,11 +224,11 @@ class Worker:
         (`compile_ahead`): its requests wait for that, and the other engines go on serving, where
         compiling as its first steps needed them would stop every engine for as long (about 10 s a
         program at 8B shapes)."""
-        key = config.program_key()
+        key = config.engine_key()
         engine = self.engines.get(key)
         if engine is None:
             limit, default = self.settings.max_engines, self.settings.default_engine
-            kept = default.program_key() if default is not None and limit > 1 else None  # its place is never taken
+            kept = default.engine_key() if default is not None and limit > 1 else None  # its place is never taken
             if key != kept:
                 others = [k for k in self.engines if k != kept]
                 if len(others) >= limit - (kept is not None):
@@ -301,7 +301,7 @@ class Worker:
             if held:
                 self.store.release(affix)
             raise
-        self._live[job.id] = _Live(job, emit, job.config.program_key(), rid, affix, source, held, hit)
+        self._live[job.id] = _Live(job, emit, job.config.engine_key(), rid, affix, source, held, hit)
         self.counters["prompt_tokens"] += job.prompt_tokens
 
     def _step(self, key: DecodeConfig) -> None:
