@@ -222,8 +222,8 @@ class Worker:
         """The engine requests of this config run on (made if need be, made with it). With
         `warmup_tokens`, a new engine compiles its programs in a thread of its own before it steps
         (`compile_ahead`): its requests wait for that, and the other engines go on serving, where
-        compiling as its first steps needed them would stop every engine for as long (about 10 s a
-        program at 8B shapes)."""
+        compiling as its first steps needed them would stop every engine for as long (a sampling
+        setting's 48 programs took 51-57 s at 8B shapes on an H100, docs/BENCHMARKS.md)."""
         key = config.engine_key()
         engine = self.engines.get(key)
         if engine is None:
