@@ -35,6 +35,12 @@ CODEBOOK_SHOTS, CODEBOOK = eval_split(get_task("codebook"), 0, 40)
 SHOTS_B, CODEBOOK_B = eval_split(get_task("codebook"), 1, 40)  # another world: another few-shot block
 
 
+# One client sends every request of these tests: httpx.get/post/stream build a client, and with it
+# a TLS context from the CA bundle (about 40 ms of CPU), at each call, and the polls for a server's
+# start and idleness make hundreds. Keep-alive off: each request still opens its own connection.
+HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,7 +57,7 @@ def start_server(*flags: str) -> tuple[subprocess.Popen, str]:
     deadline = time.time() + 120
     while True:
         try:
-            if httpx.get(url + "/health").status_code == 200:
+            if HTTP.get(url + "/health").status_code == 200:
                 break
         except httpx.TransportError:
             pass
@@ -72,7 +78,7 @@ def server():
 
 
 def _post(url: str, path: str, body: dict, timeout: float = 120) -> dict:
-    r = httpx.post(url + path, json=body, timeout=timeout)
+    r = HTTP.post(url + path, json=body, timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -80,7 +86,7 @@ def _post(url: str, path: str, body: dict, timeout: float = 120) -> dict:
 def _stream(url: str, path: str, body: dict) -> tuple[str, list[dict]]:
     """(the streamed text, every chunk); checks the SSE framing and the single [DONE] at the end."""
     chunks, done = [], 0
-    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
+    with HTTP.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if not line:
@@ -98,7 +104,7 @@ def _stream(url: str, path: str, body: dict) -> tuple[str, list[dict]]:
 
 
 def _metrics(url: str) -> dict[str, float]:
-    lines = httpx.get(url + "/metrics").text.splitlines()
+    lines = HTTP.get(url + "/metrics").text.splitlines()
     return {k: float(v) for k, v in (l.split(" ") for l in lines if l and not l.startswith("#") and "{" not in l)}
 
 
@@ -131,8 +137,8 @@ def _prompt(example) -> str:
 
 def test_models_health_and_task_answers(server):
     _, url = server
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
-    assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["llada-small"]
+    assert HTTP.get(url + "/health").json() == {"status": "ok"}
+    assert [m["id"] for m in HTTP.get(url + "/v1/models").json()["data"]] == ["llada-small"]
     questions = BABI[:6]
     with ThreadPoolExecutor(6) as pool:
         plain = list(pool.map(lambda q: _post(url, "/v1/completions", {"model": "llada-small", "prompt": _prompt(q)}),
@@ -235,11 +241,11 @@ def test_bad_requests_get_openai_errors_and_the_server_stays_healthy(server):
     _, url = server
     for path, body, status in BAD:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
-        r = httpx.post(url + path, timeout=30, **kw)
+        r = HTTP.post(url + path, timeout=30, **kw)
         assert r.status_code == status, (body, r.text)
         error = r.json()["error"]
         assert error["message"] and error["type"] in ("invalid_request_error",), r.text
-    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    assert HTTP.get(url + "/health").json() == {"status": "ok"}
     assert _post(url, "/v1/completions", {"prompt": _prompt(BABI[20])})["choices"][0]["text"]
 
 
@@ -254,7 +260,7 @@ def test_clients_that_disconnect_free_their_slots(server):
 
     def leave(q):
         body = {"prompt": _prompt(q), "stream": True, "max_tokens": 128, "temperature": 5.0}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        with HTTP.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             next(r.iter_lines())  # the first chunk, then hang up
 
     with ThreadPoolExecutor(12) as pool:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.test_serve import _free_port, _metrics, _settle, start_server
+from tests.test_serve import HTTP, _free_port, _metrics, _settle, start_server
 from tests.cli_process import rss_mb
 
 HEADER_TIMEOUT, BODY_TIMEOUT = 2, 2
@@ -78,12 +78,12 @@ def _raw(port: int, data: bytes, wait: float) -> tuple[bytes, float]:
 def _responses(url: str, route: str, status: int) -> float:
     """/metrics' count of the HTTP responses of this route and status."""
     label = f'acache_http_responses_total{{route="{route}",status="{status}"}} '
-    return sum(float(line[len(label):]) for line in httpx.get(url + "/metrics").text.splitlines()
+    return sum(float(line[len(label):]) for line in HTTP.get(url + "/metrics").text.splitlines()
                if line.startswith(label))
 
 
 def _no_500s(url: str) -> None:
-    text = httpx.get(url + "/metrics").text
+    text = HTTP.get(url + "/metrics").text
     assert 'status="500"' not in text, text
 
 
@@ -93,7 +93,7 @@ def test_a_huge_max_tokens_is_refused_at_once_and_costs_no_memory(server, max_to
     The bound on RSS is generous (the row of 10**8 tokens alone is 0.4 GB)."""
     rss = rss_mb(server.proc.pid)
     start = time.perf_counter()
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens}, timeout=30)
+    r = HTTP.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens}, timeout=30)
     seconds = time.perf_counter() - start
     grown = rss_mb(server.proc.pid) - rss
     print(f"\nmax_tokens {max_tokens}: {r.status_code} in {seconds * 1e3:.0f} ms, RSS {rss:.0f} MB {grown:+.1f} MB")
@@ -112,7 +112,7 @@ def test_prompts_longer_than_the_context_are_refused_in_bounded_time(server):
                                      ("a b\n" * 100_000, None, "--max-prompt-tokens"),
                                      ("\n" * 1_000_000 + "word " * 40, 440, "the 32 tokens this server's limit")):
         start = time.perf_counter()
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60)
+        r = HTTP.post(server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens}, timeout=60)
         seconds = time.perf_counter() - start
         print(f"\n{len(prompt)} characters of {prompt[:6]!r}: {r.status_code} in {seconds:.2f} s")
         assert r.status_code == 400 and flag in r.json()["error"]["message"], r.text
@@ -186,14 +186,14 @@ def test_the_engine_knobs_are_taken_and_a_request_with_the_defaults_always_has_a
     knobs = {"selector": "hkvd", "anchor_mass": 0.9, "anchor_min_ratio": 0.1, "anchor_ratio": 0.3}
     long = {"prompt": PROMPT, "affix": "Answer with one word.\n", "max_tokens": 250, **knobs}  # 8 blocks
     with ThreadPoolExecutor(1) as pool:
-        running = pool.submit(httpx.post, url + "/v1/completions", json=long, timeout=120)
+        running = pool.submit(HTTP.post, url + "/v1/completions", json=long, timeout=120)
         deadline = time.time() + 60
         while _metrics(url)["acache_requests_running"] == 0:  # admitted: its engine compiles, then steps
             assert time.time() < deadline
             time.sleep(0.1)
-        other = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "temperature": 0.5}, timeout=120)
-        own = httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "threshold": 0.7}, timeout=120)
-        with httpx.stream("POST", url + "/v1/completions", json={"prompt": PROMPT, "stream": True}, timeout=120) as r:
+        other = HTTP.post(url + "/v1/completions", json={"prompt": PROMPT, "temperature": 0.5}, timeout=120)
+        own = HTTP.post(url + "/v1/completions", json={"prompt": PROMPT, "threshold": 0.7}, timeout=120)
+        with HTTP.stream("POST", url + "/v1/completions", json={"prompt": PROMPT, "stream": True}, timeout=120) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         ran = running.result()
     assert other.status_code == 429 and other.headers["retry-after"] == "1", other.text
@@ -216,7 +216,7 @@ def test_a_client_that_leaves_while_its_engine_compiles_cancels_its_request(serv
     url = server.url
     before = _metrics(url)
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "cache": "dual"}, timeout=1)
+        HTTP.post(url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "cache": "dual"}, timeout=1)
     after = _settle(url)
     assert after["acache_requests_cancelled_total"] - before["acache_requests_cancelled_total"] == 1
     assert after["acache_requests_finished_total"] == before["acache_requests_finished_total"]
@@ -229,14 +229,14 @@ def test_a_20_mb_body_gets_413_and_the_server_stays_responsive(server):
     url = server.url
     big = b'{"prompt": "' + b"x" * (20 << 20) + b'"}'
     start = time.perf_counter()
-    r = httpx.post(url + "/v1/completions", content=big, timeout=30)
+    r = HTTP.post(url + "/v1/completions", content=big, timeout=30)
     seconds = time.perf_counter() - start
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
     parts = iter([big[i:i + (1 << 20)] for i in range(0, len(big), 1 << 20)])
-    chunked = httpx.post(url + "/v1/completions", content=parts, timeout=30)  # no Content-Length
+    chunked = HTTP.post(url + "/v1/completions", content=parts, timeout=30)  # no Content-Length
     assert chunked.status_code == 413, chunked.text
     start_health = time.perf_counter()
-    assert httpx.get(url + "/health").status_code == 200 and time.perf_counter() - start_health < 1
+    assert HTTP.get(url + "/health").status_code == 200 and time.perf_counter() - start_health < 1
     print(f"\n20 MB body: 413 in {seconds * 1e3:.0f} ms")
     assert seconds < 2
 
@@ -258,7 +258,7 @@ def test_half_sent_requests_are_dropped_after_the_timeouts(server):
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" if i % 2 else
                       b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{")
         start = time.perf_counter()
-        assert httpx.get(url + "/health").status_code == 200
+        assert HTTP.get(url + "/health").status_code == 200
         health_s = time.perf_counter() - start
         leaver = socket.create_connection(("127.0.0.1", port))
         leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro")
@@ -334,7 +334,7 @@ def test_sigterm_lets_running_requests_finish_and_exits_0(server):
     within --shutdown-timeout (30 s here): its client gets the whole answer, every block is freed,
     the exit status is 0, and nothing in the log of this module's abuse is a traceback."""
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(httpx.post, server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 64},
+        answer = pool.submit(HTTP.post, server.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 64},
                              timeout=60)
         time.sleep(0.3)
         server.proc.send_signal(signal.SIGTERM)
@@ -354,15 +354,15 @@ def test_sigterm_cuts_what_runs_past_the_shutdown_timeout_and_tells_every_client
     streams cut off without [DONE], 'Event loop is closed' in the engine thread, and exit 0."""
     s = Server("--no-early-stop", "--shutdown-timeout", "1")
     try:
-        assert httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT}, timeout=120).status_code == 200
+        assert HTTP.post(s.url + "/v1/completions", json={"prompt": PROMPT}, timeout=120).status_code == 200
         results: dict[str, tuple] = {}
 
         def plain(i: int) -> None:
-            r = httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "seed": i}, timeout=60)
+            r = HTTP.post(s.url + "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "seed": i}, timeout=60)
             results[f"plain {i}"] = (r.status_code, r.json(), time.perf_counter())
 
         def stream(i: int) -> None:
-            with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=60, json={
+            with HTTP.stream("POST", s.url + "/v1/chat/completions", timeout=60, json={
                     "messages": [{"role": "user", "content": "Where is Mary?"}], "max_tokens": LONG, "seed": i,
                     "stream": True}) as r:
                 lines = [line for line in r.iter_lines() if line]
@@ -379,7 +379,7 @@ def test_sigterm_cuts_what_runs_past_the_shutdown_timeout_and_tells_every_client
         s.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         with pytest.raises(httpx.TransportError):  # the listening socket is closed
-            httpx.post(s.url + "/v1/completions", json={"prompt": PROMPT}, timeout=5)
+            HTTP.post(s.url + "/v1/completions", json={"prompt": PROMPT}, timeout=5)
         for t in threads:
             t.join(60)
         status, log = s.finish()

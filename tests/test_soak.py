@@ -128,7 +128,8 @@ def _run(url: str, jobs: list) -> list[str]:
     lock = threading.Lock()
 
     def client(part: list) -> None:
-        with httpx.Client(base_url=url, timeout=120) as c:
+        # plain HTTP to 127.0.0.1: no CA bundle to load (about 40 ms of CPU a client)
+        with httpx.Client(base_url=url, timeout=120, verify=False) as c:
             for job in part:
                 finish = _send(c, job)
                 with lock:
