@@ -73,13 +73,13 @@ def test_shared_blocks_are_refcounted():
     first, new1 = bm.acquire_shared("a", 10)
     second, new2 = bm.acquire_shared("a", 10)
     assert (new1, new2) == (True, False) and first == second and len(first) == 3
-    assert bm.refcount("a") == 2 and bm.num_free_blocks == 5
+    assert bm.resident("a") == (first, 2) and bm.num_free_blocks == 5
     with pytest.raises(ValueError, match="resident with 10 slots, asked for 11"):
         bm.acquire_shared("a", 11)
     bm.release_shared("a")
-    assert bm.shared_blocks("a") == first and bm.num_free_blocks == 5
+    assert bm.resident("a") == (first, 1) and bm.num_free_blocks == 5
     bm.release_shared("a")
-    assert bm.shared_blocks("a") is None and bm.refcount("a") == 0 and bm.num_free_blocks == 8
+    assert bm.resident("a") is None and bm.num_free_blocks == 8
     with pytest.raises(ValueError, match="no such resident affix"):
         bm.release_shared("a")
 
@@ -178,9 +178,9 @@ def test_queue_when_full_and_admit_when_freed():
     assert seqs[0].status is SequenceStatus.FINISHED and sched.admit() == [seqs[2]]
     for s in (seqs[1], seqs[2]):
         sched.finish(s)
-    assert bm.refcount("b") == 3  # finished requests keep the affix until the next admission has looked
+    assert bm.resident("b")[1] == 3  # finished requests keep the affix until the next admission has looked
     sched.drain()
-    assert bm.shared_blocks("b") is None  # the last user left; the next admission refills the affix
+    assert bm.resident("b") is None  # the last user left; the next admission refills the affix
     assert sched.admit() == [seqs[3]] and seqs[3].affix_is_new
     sched.finish(seqs[3])
     sched.drain()
@@ -257,10 +257,11 @@ def _check_invariants(bm: BlockManager, sched: Scheduler) -> None:
     users = Counter(s.affix_key for s in running if s.shares_affix)
     shared_slots: dict = {}
     for key in AFFIX_LENS:
-        assert bm.refcount(key) == users[key], "refcount differs from the live users"
-        assert (bm.shared_blocks(key) is None) == (users[key] == 0), "shared blocks kept without users"
+        resident = bm.resident(key)
+        assert (resident is None) == (users[key] == 0), "shared blocks kept without users"
         if users[key]:
-            shared_slots[key] = _slot_set(bm.shared_blocks(key), bs)
+            assert resident[1] == users[key], "refcount differs from the live users"
+            shared_slots[key] = _slot_set(resident[0], bs)
     all_shared = [s for slots in shared_slots.values() for s in slots]
     assert len(all_shared) == len(set(all_shared)), "two affixes share a slot"
     held = len(private_blocks) + len(all_shared) // bs
@@ -319,7 +320,7 @@ def test_random_arrivals_and_finishes_keep_the_pool_safe(data, num_blocks, block
             _probe(data, sched.admit())
             if sched.waiting and len(sched.running) < max_batch:  # the head waits only for blocks
                 head = sched.waiting[0]
-                resident = head.shares_affix and bm.shared_blocks(head.affix_key) is not None
+                resident = head.shares_affix and bm.resident(head.affix_key) is not None
                 affix = bm.blocks_for(head.affix_len) if head.shares_affix and not resident else 0
                 assert not bm.can_allocate(bm.blocks_for(head.num_private(head.num_anchors)) + affix)
         elif sched.running:
@@ -337,7 +338,7 @@ def test_random_arrivals_and_finishes_keep_the_pool_safe(data, num_blocks, block
         if sched.idle:
             break
     assert sched.idle and bm.num_free_blocks == num_blocks
-    assert all(bm.refcount(key) == 0 for key in AFFIX_LENS)
+    assert all(bm.resident(key) is None for key in AFFIX_LENS)
 
 
 def test_step_inputs_travel_in_one_buffer_and_come_back_exactly():

@@ -98,13 +98,10 @@ class BlockManager:
             self._shared_ids.difference_update(entry.blocks)
             self._free.extend(entry.blocks)
 
-    def shared_blocks(self, key: Hashable) -> list[int] | None:
+    def resident(self, key: Hashable) -> tuple[list[int], int] | None:
+        """Affix `key`'s blocks and how many requests hold them; None when it is not resident."""
         entry = self._shared.get(key)
-        return None if entry is None else list(entry.blocks)
-
-    def refcount(self, key: Hashable) -> int:
-        entry = self._shared.get(key)
-        return 0 if entry is None else entry.refcount
+        return None if entry is None else (list(entry.blocks), entry.refcount)
 
     @staticmethod
     def slots(blocks: list[int], n: int, block_size: int) -> np.ndarray:

@@ -143,7 +143,7 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_batch:
             seq = self._waiting[0]
             private, affix = self._blocks(seq, seq.num_anchors)
-            resident = seq.shares_affix and bm.shared_blocks(seq.affix_key) is not None
+            resident = seq.shares_affix and bm.resident(seq.affix_key) is not None
             if not bm.can_allocate(private + (0 if resident else affix)):
                 break
             self._waiting.popleft()
