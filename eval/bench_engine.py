@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import acache_jax
 from acache_jax import compile_cache
 from acache_jax.decoding.acache import build_affix_cache
 from acache_jax.decoding.layout import Request
@@ -145,6 +146,13 @@ def case_configs(cfg: ModelConfig, shots: int, batch: int, args) -> tuple[list[i
                                early_stop=False)
                for p, c in POLICIES.items()}
     return affix, requests, pool_tokens, configs
+
+
+def code_path() -> str:
+    """The directory of the acache_jax package this process runs, printed and recorded with the
+    results: an A/B of two trees runs each from its own directory, since `python -m` puts the
+    current directory first on sys.path, ahead of PYTHONPATH."""
+    return str(Path(acache_jax.__file__).resolve().parent)
 
 
 def pool_bytes(model, case: tuple, args) -> int:
@@ -372,7 +380,8 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     compile_cache.enable()  # compiled programs are kept for later runs (acache_jax/compile_cache.py)
     start = time.perf_counter()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    package = code_path()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; acache_jax from {package}", flush=True)
     shapes = {"llada": lambda n: llada_8b(n or 32), "dream": lambda n: dream_7b(n or 28)}
     models = {name if label == "none" else f"{name}@{label}": random_model(shapes[name](args.layers), mesh=mesh)
               for name in args.models.split(",") for label, mesh in args.meshes.items()}
@@ -395,7 +404,8 @@ def main(argv=None) -> None:
         print(json.dumps({"t": round(time.perf_counter() - start, 1), **rows[-1]}), flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out / "bench_engine.json", json.dumps(dict(jax=jax.__version__, rows=rows), indent=1))
+        write_atomic(args.out / "bench_engine.json",
+                     json.dumps(dict(jax=jax.__version__, package=package, rows=rows), indent=1))
     print(table(rows))
 
 

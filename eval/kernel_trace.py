@@ -29,7 +29,7 @@ import jax
 
 from acache_jax import compile_cache
 from eval.bench_decode import llada_8b, random_model
-from eval.bench_engine import add_case_args, case_configs, dream_7b, new_engine, served_affix, warm
+from eval.bench_engine import add_case_args, case_configs, code_path, dream_7b, new_engine, served_affix, warm
 
 
 def busy_and_gaps(intervals: list[tuple[float, float]]) -> tuple[float, float, list[float]]:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = llada_8b(args.layers or 32) if args.family == "llada" else dream_7b(args.layers or 28)
     compile_cache.enable()  # the programs eval.bench_engine compiled for the same cases are read back
     model = random_model(cfg)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; acache_jax from {code_path()}", flush=True)
     for batch in (int(b) for b in args.batches.split(",")):
         for policy in args.policies.split(","):
             started = time.perf_counter()

@@ -6,7 +6,9 @@ import gc
 import threading
 import time
 import weakref
+from pathlib import Path
 
+import acache_jax
 from eval.bench_engine import POLICIES, warm_up
 
 
@@ -86,7 +88,8 @@ def test_a_warm_up_waiting_for_room_gives_up_at_the_deadline(capsys):
 
 def test_kernel_trace_profiles_the_cases_bench_engine_times(tmp_path, monkeypatch, capsys):
     """eval.kernel_trace takes bench_engine's case flags (`--affix built` among them) and traces one
-    run per case; a tiny model in LLaDA's layout stands in for the 8B one on this CPU."""
+    run per case; a tiny model in LLaDA's layout stands in for the 8B one on this CPU. Its first
+    line names the package that ran (what tells two trees of an A/B apart)."""
     from acache_jax.network.config import ModelConfig
     from eval import kernel_trace
 
@@ -97,6 +100,7 @@ def test_kernel_trace_profiles_the_cases_bench_engine_times(tmp_path, monkeypatc
     kernel_trace.main(["--out", str(tmp_path), "--shots", "1", "--batches", "1", "--gen", "32", "--steps", "8",
                        "--affix", "built"])
     out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith(f"; acache_jax from {Path(acache_jax.__file__).resolve().parent}")
     for policy in POLICIES:
         assert f"llada {policy} B1 1-shot: compiled in" in out
         assert any((tmp_path / f"trace_llada_{policy}_b1").rglob("*.json.gz"))
