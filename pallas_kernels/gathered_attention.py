@@ -108,7 +108,10 @@ def _interpret(interpret: bool | None, head_dim: int) -> bool:
 
 
 def merge_partials(outs: list[jax.Array], lses: list[jax.Array]) -> jax.Array:
-    """Attention over the union of disjoint key sets from each set's output and log-sum-exp."""
+    """Attention over the union of disjoint key sets from each set's output and log-sum-exp. One
+    set's output is returned as it is: the merge would weigh it by exp(0) = 1 and divide by 1."""
+    if len(outs) == 1:
+        return outs[0]
     m = functools.reduce(jnp.maximum, lses)
     weights = [jnp.exp(lse - m)[..., None] for lse in lses]
     total = sum(w * o.astype(jnp.float32) for w, o in zip(weights, outs))

@@ -141,8 +141,7 @@ def attend_pool(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, 
                                                 mode="drop", unique_indices=True))
     pool_v = constrain_kv(layer_v.at[write].set(v.astype(layer_v.dtype), mode="drop", unique_indices=True))
     m, hq, d = q.shape
-    extend = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # index M: empty
-    tile = lambda a: extend(a)[access.tiles]
+    tile = lambda a: jnp.take(a, access.tiles, axis=0, mode="fill", fill_value=0)  # index M: an empty place
     per_tile = lambda a: a[access.tile_segment]
     reads = [(rope(q[None], (positions - rs.offset[access.segment])[None], rope_theta)[0], rs)
              for rs in access.reads]
