@@ -58,9 +58,9 @@ REUSE_PADDING = 1.5
 FIXED_AXIS = dict(floor=128, ceiling=None, per_octave=4)
 FIXED_WIDTH_STEP = 16  # with fixed shapes, the read sets' width: the context rounded up to this
 # The block loop is compiled to CUDA graphs on a GPU, its while loop included (conditional nodes):
-# an in-block step is some 18 small kernels a layer, and launched one by one the device waits on
-# the host between them. On an H100 the in-block step went from 8.0-8.1 to 7.5-7.7 ms at B1 and
-# B1 tokens/s up 3-8% (docs/BENCHMARKS.md, "Command buffers for the block loop"). The packed step is
+# an in-block step is some 15 kernels a layer, most of them small, and launched one by one the
+# device waits on the host between them. On an H100 the in-block step at B1 went from 7.8-8.4 to 7.4-7.7 ms and
+# B1 tokens/s up 2-8% (docs/BENCHMARKS.md, "Command buffers for the block loop"). The packed step is
 # left as it is: the same flags process-wide gained nothing in tokens/s. Other backends ignore them.
 LOOP_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL",
                          "xla_gpu_graph_min_graph_size": "1"}
